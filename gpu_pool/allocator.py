@@ -1,0 +1,444 @@
+"""The Tangram tensor planner: where new tensors go, what is evicted, what is moved.
+
+Pure Python, no torch and no I/O: it takes the region list and the (aligned) sizes of the
+missing tensors and returns a :class:`Plan`; :mod:`gpu_pool.executor` applies plans to an
+arena. Benchmarks and property tests drive :func:`plan` directly.
+
+Steps, following Tangram §3.2 (Eq. 1-2, Alg. 1, Figure 6):
+
+0. *Direct placement.* If the new tensors fit the free regions as they are (the whole
+   request as one contiguous block, else best-fit decreasing per tensor), the plan has
+   no evictions and no moves.
+1. *Stage 1, eviction* in the caller's order (:mod:`gpu_pool.eviction`: MCE, LRU or
+   random) until the free bytes cover the request; direct placement is tried again.
+2. *Stage 2, packing with moves.* Pinned tensors and KV blocks never move, so they cut the
+   arena into *segments* within which inactive tensors can slide. New tensors are first
+   distributed over segments by best-fit decreasing on each segment's free bytes (if that
+   fails, Stage 1 evicts one more tensor and we retry). Then, per segment:
+
+   * ``PGP`` (Partitioned-Gain Packing, Alg. 1): start from "compact the whole segment"
+     and split the subspace at an inactive tensor that then stays where it is; a split
+     is kept when TryPacking can divide the subspace's tensors over the two halves.
+     Candidate partition points are tried largest first (the largest gain, as in
+     Figure 6). Each final subspace is then placed without moves if best-fit can, else
+     compacted (its inactive tensors slide to its low end, in address order).
+   * ``GLOBAL_MERGE`` (the ablation baseline): compact every segment and place the new
+     tensors in the merged free tails.
+
+Where Alg. 1 is loose we implement its intent: a subspace's *capacity* is its free bytes
+(compaction inside a subspace yields exactly that much contiguous space, since the tensors
+it moves stay inside it), and TryPacking's fit test is "the tensor fits the half with the
+larger remaining capacity" (the paper's ``t >= min(C1, C2)`` would reject tensors that
+fit the larger half). Subspaces that receive no tensors cost nothing.
+
+Guarantees (checked by property tests): placements never overlap each other or any region
+that stays; only inactive tensors are evicted or moved; zero moves when best-fit can place
+the request in the free regions; bytes moved never exceed those of compacting every
+segment after the same evictions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpu_pool.errors import OutOfMemory
+from gpu_pool.regions import Region, RegionKind
+
+
+class PackingPolicy(enum.Enum):
+    PGP = "pgp"
+    GLOBAL_MERGE = "global_merge"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRequest:
+    """A tensor to place: its key (fingerprint) and its aligned size in bytes."""
+
+    key: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"tensor {self.key}: size must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Slide an inactive tensor inside the arena (``dst`` may overlap ``src``)."""
+
+    key: str
+    src: int
+    dst: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's decision. Apply evictions, then moves in order, then load placements."""
+
+    placements: dict[str, int]
+    evictions: tuple[str, ...] = ()
+    moves: tuple[Move, ...] = ()
+    bytes_evicted: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(m.size for m in self.moves)
+
+
+# Slot kinds of the planner's working layout.
+_FREE, _MOVABLE, _FIXED = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    """Offsets of new KV blocks (highest addresses first) and the tensors evicted for them."""
+
+    offsets: tuple[int, ...]
+    evictions: tuple[str, ...] = ()
+    bytes_evicted: int = 0
+
+
+@dataclass(slots=True)
+class _Slot:
+    offset: int
+    size: int
+    kind: int
+    key: str | None
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Mutable copy of the region list the planner evicts from."""
+
+    slots: list[_Slot]
+    index: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_regions(cls, regions: Sequence[Region]) -> _Layout:
+        slots: list[_Slot] = []
+        for r in regions:
+            if r.kind is RegionKind.FREE:
+                kind = _FREE
+            elif r.kind is RegionKind.TENSOR and r.movable:
+                kind = _MOVABLE
+            else:
+                kind = _FIXED
+            if kind == _FREE and slots and slots[-1].kind == _FREE:
+                slots[-1].size += r.size  # keep free regions maximal
+            else:
+                slots.append(_Slot(r.offset, r.size, kind, r.key))
+        return cls(slots)
+
+    def free_total(self) -> int:
+        return sum(s.size for s in self.slots if s.kind == _FREE)
+
+    def evict(self, key: str) -> int:
+        """Turn the movable tensor ``key`` into free space, merging neighbours. Returns its size."""
+        i = next((j for j, s in enumerate(self.slots) if s.key == key and s.kind == _MOVABLE), None)
+        if i is None:
+            return 0
+        slot = self.slots[i]
+        size = slot.size
+        slot.kind, slot.key = _FREE, None
+        if i + 1 < len(self.slots) and self.slots[i + 1].kind == _FREE:
+            slot.size += self.slots[i + 1].size
+            del self.slots[i + 1]
+        if i > 0 and self.slots[i - 1].kind == _FREE:
+            self.slots[i - 1].size += slot.size
+            del self.slots[i]
+        return size
+
+    def free_regions(self) -> list[tuple[int, int]]:
+        return [(s.offset, s.size) for s in self.slots if s.kind == _FREE]
+
+
+def plan(
+    regions: Sequence[Region],
+    requests: Sequence[TensorRequest],
+    eviction_order: Sequence[str] = (),
+    packing: PackingPolicy = PackingPolicy.PGP,
+) -> Plan:
+    """Plan the placement of ``requests`` (in load order) into the arena ``regions``.
+
+    ``eviction_order`` lists inactive tensor keys, cheapest to evict first; keys that are
+    not movable tensors of ``regions`` are ignored. Raises :class:`OutOfMemory` when the
+    request does not fit even after evicting every listed tensor.
+    """
+    if not requests:
+        return Plan({})
+    layout = _Layout.from_regions(regions)
+    need = sum(r.size for r in requests)
+    evicted: list[str] = []
+    bytes_evicted = 0
+    order = iter(eviction_order)
+
+    def evict_next() -> bool:
+        nonlocal bytes_evicted
+        for key in order:
+            size = layout.evict(key)
+            if size:
+                evicted.append(key)
+                bytes_evicted += size
+                return True
+        return False
+
+    direct = place_direct(layout.free_regions(), requests)
+    if direct is not None:
+        return Plan(direct)
+    while layout.free_total() < need:
+        if not evict_next():
+            raise _oom(layout, requests, eviction_order)
+    while True:
+        direct = place_direct(layout.free_regions(), requests)
+        if direct is not None:
+            return Plan(direct, tuple(evicted), (), bytes_evicted)
+        segments = _segments(layout.slots)
+        assignment = _distribute(requests, [seg_free for _, _, seg_free in segments])
+        if assignment is not None:
+            break
+        if not evict_next():
+            raise _oom(layout, requests, eviction_order)
+
+    placements: dict[str, int] = {}
+    moves: list[Move] = []
+    for (lo, hi, _), assigned in zip(segments, assignment, strict=True):
+        if packing is PackingPolicy.GLOBAL_MERGE:
+            if any(layout.slots[i].kind == _MOVABLE for i in range(lo, hi)) or assigned:
+                _compact_and_place(layout.slots, lo, hi, assigned, placements, moves)
+        elif assigned:
+            for sub_lo, sub_hi, sub_tensors in _partitioned_gain_packing(layout.slots, lo, hi, assigned):
+                _place_subspace(layout.slots, sub_lo, sub_hi, sub_tensors, placements, moves)
+    return Plan(placements, tuple(evicted), tuple(moves), bytes_evicted)
+
+
+def place_direct(free: Sequence[tuple[int, int]], requests: Sequence[TensorRequest]) -> dict[str, int] | None:
+    """Placements into free ``(offset, size)`` regions without moving anything, or None.
+
+    First the whole request as one block in the smallest free region that holds it (so the
+    tensors stay adjacent in load order and their copies coalesce); else best-fit
+    decreasing, each tensor at the start of the smallest free region that holds it.
+    """
+    total = sum(r.size for r in requests)
+    fitting = [f for f in free if f[1] >= total]
+    if fitting:
+        offset = min(fitting, key=lambda f: (f[1], f[0]))[0]
+        placements = {}
+        for r in requests:
+            placements[r.key] = offset
+            offset += r.size
+        return placements
+    by_size = sorted((size, offset) for offset, size in free)
+    placements = {}
+    for r in sorted(requests, key=lambda r: -r.size):
+        i = bisect.bisect_left(by_size, (r.size, -1))
+        if i == len(by_size):
+            return None
+        size, offset = by_size.pop(i)
+        placements[r.key] = offset
+        if size > r.size:
+            bisect.insort(by_size, (size - r.size, offset + r.size))
+    return placements
+
+
+def full_compaction_bytes(regions: Sequence[Region], evicted: Sequence[str] = ()) -> int:
+    """Bytes that compacting every segment would move, after evicting ``evicted``.
+
+    The upper bound Stage 2 must respect (the "merge all" starting point of Alg. 1).
+    """
+    layout = _Layout.from_regions(regions)
+    for key in evicted:
+        layout.evict(key)
+    moved = 0
+    for lo, hi, _ in _segments(layout.slots):
+        cursor = layout.slots[lo].offset
+        for s in layout.slots[lo:hi]:
+            if s.kind == _MOVABLE:
+                if s.offset != cursor:
+                    moved += s.size
+                cursor += s.size
+    return moved
+
+
+def _oom(layout: _Layout, requests: Sequence[TensorRequest], order: Sequence[str]) -> OutOfMemory:
+    need = sum(r.size for r in requests)
+    free = layout.free_total()
+    what = f"placing {len(requests)} tensors"
+    if free >= need:
+        what += " (free space is cut into pieces by pinned tensors and KV blocks, which never move)"
+    return OutOfMemory(what, need, free)
+
+
+def _segments(slots: list[_Slot]) -> list[tuple[int, int, int]]:
+    """Maximal runs ``[lo, hi)`` of slots between fixed regions, with their free bytes."""
+    segments: list[tuple[int, int, int]] = []
+    lo = 0
+    free = 0
+    for i, s in enumerate(slots):
+        if s.kind == _FIXED:
+            if i > lo:
+                segments.append((lo, i, free))
+            lo, free = i + 1, 0
+        elif s.kind == _FREE:
+            free += s.size
+    if len(slots) > lo:
+        segments.append((lo, len(slots), free))
+    return segments
+
+
+def _distribute(requests: Sequence[TensorRequest], capacities: list[int]) -> list[list[TensorRequest]] | None:
+    """Best-fit decreasing of the requests over bins of the given free capacities."""
+    remaining = list(capacities)
+    bins: list[list[TensorRequest]] = [[] for _ in capacities]
+    for r in sorted(requests, key=lambda r: -r.size):
+        best = -1
+        for i, cap in enumerate(remaining):
+            if cap >= r.size and (best < 0 or cap < remaining[best]):
+                best = i
+        if best < 0:
+            return None
+        remaining[best] -= r.size
+        bins[best].append(r)
+    return bins
+
+
+def _try_packing(
+    tensors: list[TensorRequest], cap1: int, cap2: int
+) -> tuple[list[TensorRequest], list[TensorRequest]] | None:
+    """Alg. 1 TryPacking: each tensor (largest first) goes to the half with more room."""
+    t1: list[TensorRequest] = []
+    t2: list[TensorRequest] = []
+    for t in tensors:
+        if cap1 >= cap2:
+            if t.size > cap1:
+                return None
+            t1.append(t)
+            cap1 -= t.size
+        else:
+            if t.size > cap2:
+                return None
+            t2.append(t)
+            cap2 -= t.size
+    return t1, t2
+
+
+def _partitioned_gain_packing(
+    slots: list[_Slot], lo: int, hi: int, tensors: list[TensorRequest]
+) -> list[tuple[int, int, list[TensorRequest]]]:
+    """Alg. 1 on one segment: final subspaces ``[lo, hi)`` with the tensors each must hold."""
+    prefix = [0]
+    for s in slots[lo:hi]:
+        prefix.append(prefix[-1] + (s.size if s.kind == _FREE else 0))
+
+    def free_between(a: int, b: int) -> int:
+        return prefix[b - lo] - prefix[a - lo]
+
+    pending = [(lo, hi, sorted(tensors, key=lambda t: -t.size))]
+    final: list[tuple[int, int, list[TensorRequest]]] = []
+    while pending:
+        a, b, ts = pending.pop()
+        if not ts:
+            continue
+        largest = ts[0].size
+        points = sorted((i for i in range(a, b) if slots[i].kind == _MOVABLE), key=lambda i: -slots[i].size)
+        for p in points:
+            cap1, cap2 = free_between(a, p), free_between(p + 1, b)
+            if largest > max(cap1, cap2):
+                continue
+            halves = _try_packing(ts, cap1, cap2)
+            if halves is not None:
+                pending.append((a, p, halves[0]))
+                pending.append((p + 1, b, halves[1]))
+                break
+        else:
+            final.append((a, b, ts))
+    return final
+
+
+def _place_subspace(
+    slots: list[_Slot],
+    lo: int,
+    hi: int,
+    tensors: list[TensorRequest],
+    placements: dict[str, int],
+    moves: list[Move],
+) -> None:
+    """Place a final subspace's tensors: without moves if best-fit can, else compact it."""
+    free = [(s.offset, s.size) for s in slots[lo:hi] if s.kind == _FREE]
+    direct = place_direct(free, tensors)
+    if direct is not None:
+        placements.update(direct)
+        return
+    _compact_and_place(slots, lo, hi, tensors, placements, moves)
+
+
+def _compact_and_place(
+    slots: list[_Slot],
+    lo: int,
+    hi: int,
+    tensors: list[TensorRequest],
+    placements: dict[str, int],
+    moves: list[Move],
+) -> None:
+    """Slide the movable tensors of ``[lo, hi)`` to its low end, then fill the free tail.
+
+    Moves are emitted in address order and each goes to a lower address, so executing them
+    in order never overwrites bytes that are still to be moved (only a tensor's own old
+    bytes, which an overlap-safe move handles).
+    """
+    cursor = slots[lo].offset
+    for s in slots[lo:hi]:
+        if s.kind == _MOVABLE:
+            if s.offset != cursor:
+                assert s.key is not None
+                moves.append(Move(s.key, s.offset, cursor, s.size))
+            cursor += s.size
+    end = slots[hi - 1].offset + slots[hi - 1].size
+    for t in tensors:
+        placements[t.key] = cursor
+        cursor += t.size
+    assert cursor <= end, "distribution guaranteed the subspace's free bytes cover its tensors"
+
+
+def plan_kv(
+    regions: Sequence[Region], num_blocks: int, block_size: int, eviction_order: Sequence[str] = ()
+) -> KVPlan:
+    """Carve ``num_blocks`` KV blocks of ``block_size`` bytes out of free regions.
+
+    Blocks are cut from the high end of the highest free regions, so KV grows down from the
+    top of the arena while tensors are placed best-fit from region starts: the two kinds
+    fragment each other less. When free space runs short this is the *urgent* path of
+    Tangram §3.3: inactive tensors are evicted in ``eviction_order`` (never moved, never a
+    pinned tensor) until the blocks fit.
+    """
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError("num_blocks and block_size must be > 0")
+    layout = _Layout.from_regions(regions)
+    evicted: list[str] = []
+    bytes_evicted = 0
+    order = iter(eviction_order)
+    while sum(size // block_size for _, size in layout.free_regions()) < num_blocks:
+        for key in order:
+            size = layout.evict(key)
+            if size:
+                evicted.append(key)
+                bytes_evicted += size
+                break
+        else:
+            raise OutOfMemory(
+                f"allocating {num_blocks} KV blocks of {block_size} bytes",
+                num_blocks * block_size,
+                sum(size // block_size for _, size in layout.free_regions()) * block_size,
+            )
+    offsets: list[int] = []
+    for offset, size in reversed(layout.free_regions()):
+        end = offset + size
+        for _ in range(min(num_blocks - len(offsets), size // block_size)):
+            end -= block_size
+            offsets.append(end)
+        if len(offsets) == num_blocks:
+            break
+    return KVPlan(tuple(offsets), tuple(evicted), bytes_evicted)

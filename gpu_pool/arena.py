@@ -1,0 +1,55 @@
+"""Arena backends: the one contiguous block of device memory a pool owns.
+
+:class:`BaseArena` is what the daemon's executor needs from a device: an attach handle
+for clients, an overlap-safe in-arena move, grouped loads from model-store files, and a
+read-back for verification. Backends: :mod:`gpu_pool.arena_cpu` (a shared-memory file)
+and :mod:`gpu_pool.arena_cuda` (CuPy memory shared over CUDA IPC).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    """Copy ``nbytes`` from byte ``src`` of store file ``file`` to arena offset ``dst``."""
+
+    file: str
+    src: int
+    dst: int
+    nbytes: int
+
+
+class BaseArena(ABC):
+    """One device's arena. Offsets are bytes from the arena's start."""
+
+    device: str
+    capacity: int
+
+    @abstractmethod
+    def handle(self) -> dict[str, Any]:
+        """What a client needs to map the arena (sent in the ``hello`` reply, msgpack-safe)."""
+
+    @abstractmethod
+    def move(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` inside the arena; the ranges may overlap."""
+
+    @abstractmethod
+    def load(self, groups: Sequence[Sequence[CopyJob]]) -> None:
+        """Run copy groups from store files into the arena, groups in parallel; returns when done."""
+
+    @abstractmethod
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """The arena's bytes ``[offset, offset + nbytes)`` (for verification and tests)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory (clients that mapped it keep their mapping where the OS allows)."""
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) leaves the arena of {self.capacity} bytes")

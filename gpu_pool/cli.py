@@ -1,0 +1,51 @@
+"""Command-line entry of the pool daemon (``ember pool`` and ``python -m gpu_pool``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpu_pool.config import PoolConfig, parse_size
+from gpu_pool.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The daemon's flags; each falls back to its ``EMBER_POOL_*`` variable."""
+    parser.add_argument("--device", help="cpu or cuda:N (EMBER_POOL_DEVICE)")
+    parser.add_argument("--arena", help="arena size, e.g. 4GiB (EMBER_POOL_ARENA)")
+    parser.add_argument("--socket", help="Unix socket path to serve on (EMBER_POOL_SOCKET)")
+    parser.add_argument("--shm-dir", help="directory of the CPU arena file (EMBER_POOL_SHM_DIR)")
+    parser.add_argument("--eviction", choices=["mce", "lru", "random"], help="Stage 1 policy")
+    parser.add_argument("--packing", choices=["pgp", "global_merge"], help="Stage 2 policy")
+    parser.add_argument("--no-prefault", action="store_true", help="do not pre-fault the CPU arena at start")
+
+
+def config_from_args(args: argparse.Namespace) -> PoolConfig:
+    """Merge flags over the environment."""
+    from gpu_pool.allocator import PackingPolicy
+    from gpu_pool.eviction import EvictionPolicy
+
+    return PoolConfig.from_env(
+        device=args.device,
+        arena_bytes=parse_size(args.arena, "--arena") if args.arena else None,
+        socket_path=args.socket,
+        shm_dir=args.shm_dir,
+        eviction=EvictionPolicy(args.eviction) if args.eviction else None,
+        packing=PackingPolicy(args.packing) if args.packing else None,
+        prefault=False if args.no_prefault else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags and run the daemon until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog="ember pool", description="Run a per-device memory pool daemon.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"ember pool: {exc}", file=sys.stderr)
+        return 2
+    from gpu_pool.daemon import run
+
+    return run(config)

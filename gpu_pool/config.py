@@ -1,0 +1,144 @@
+"""Pool daemon configuration: a frozen dataclass filled from CLI flags and ``EMBER_POOL_*``.
+
+Sizes accept suffixes (``512MiB``, ``4GiB``, ``1.5GB``, plain bytes). Every bad value fails
+loudly with the name of the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from gpu_pool.allocator import PackingPolicy
+from gpu_pool.errors import ConfigError
+from gpu_pool.eviction import EvictionPolicy
+from gpu_pool.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes in ``text`` such as ``4GiB``; raises :class:`ConfigError` naming ``what``."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{what}: cannot parse {text!r} as a size (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Everything one pool daemon needs."""
+
+    device: str
+    arena_bytes: int
+    socket_path: str
+    shm_dir: str = "/dev/shm"
+    prefault: bool = True
+    eviction: EvictionPolicy = EvictionPolicy.MCE
+    packing: PackingPolicy = PackingPolicy.PGP
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    load_threads: int = 2
+    host_cache_bytes: int = 1 << 30  # CUDA only: pinned host cache budget
+
+    def __post_init__(self) -> None:
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"device: expected 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.arena_bytes < 1 << 20:
+            raise ConfigError(f"arena: must be at least 1 MiB, got {self.arena_bytes} bytes")
+        if not self.socket_path:
+            raise ConfigError("socket: a Unix socket path is required")
+        if self.max_message_bytes < 1 << 10:
+            raise ConfigError("max_message_bytes must be at least 1 KiB")
+        if self.load_threads < 1:
+            raise ConfigError("load_threads must be >= 1")
+        if self.host_cache_bytes < 0:
+            raise ConfigError("host_cache_bytes must be >= 0")
+
+    @property
+    def aligned_arena_bytes(self) -> int:
+        """Arena size rounded down to 2 MiB (huge-page and CUDA-granularity friendly)."""
+        return self.arena_bytes // (2 << 20) * (2 << 20) or self.arena_bytes // 256 * 256
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> PoolConfig:
+        """Build from ``EMBER_POOL_*`` variables, then explicit (non-None) overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        if "EMBER_POOL_DEVICE" in env:
+            values["device"] = env["EMBER_POOL_DEVICE"]
+        if "EMBER_POOL_ARENA" in env:
+            values["arena_bytes"] = parse_size(env["EMBER_POOL_ARENA"], "EMBER_POOL_ARENA")
+        if "EMBER_POOL_SOCKET" in env:
+            values["socket_path"] = env["EMBER_POOL_SOCKET"]
+        if "EMBER_POOL_SHM_DIR" in env:
+            values["shm_dir"] = env["EMBER_POOL_SHM_DIR"]
+        if "EMBER_POOL_PREFAULT" in env:
+            values["prefault"] = _parse_bool(env["EMBER_POOL_PREFAULT"], "EMBER_POOL_PREFAULT")
+        if "EMBER_POOL_EVICTION" in env:
+            values["eviction"] = _parse_enum(
+                EvictionPolicy, env["EMBER_POOL_EVICTION"], "EMBER_POOL_EVICTION"
+            )
+        if "EMBER_POOL_PACKING" in env:
+            values["packing"] = _parse_enum(PackingPolicy, env["EMBER_POOL_PACKING"], "EMBER_POOL_PACKING")
+        if "EMBER_POOL_LOAD_THREADS" in env:
+            values["load_threads"] = _parse_int(env["EMBER_POOL_LOAD_THREADS"], "EMBER_POOL_LOAD_THREADS")
+        if "EMBER_POOL_HOST_CACHE" in env:
+            values["host_cache_bytes"] = parse_size(env["EMBER_POOL_HOST_CACHE"], "EMBER_POOL_HOST_CACHE")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for required in ("device", "arena_bytes", "socket_path"):
+            if required not in values:
+                flag = {"device": "--device", "arena_bytes": "--arena", "socket_path": "--socket"}[required]
+                env_name = {"device": "DEVICE", "arena_bytes": "ARENA", "socket_path": "SOCKET"}[required]
+                raise ConfigError(f"{flag} (or EMBER_POOL_{env_name}) is required")
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _parse_bool(text: str, what: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected true/false, got {text!r}")
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{what}: expected an integer, got {text!r}") from None
+
+
+_E = TypeVar("_E", EvictionPolicy, PackingPolicy)
+
+
+def _parse_enum(kind: type[_E], text: str, what: str) -> _E:
+    try:
+        return kind(text.strip().lower())
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise ConfigError(f"{what}: expected one of {choices}, got {text!r}") from None

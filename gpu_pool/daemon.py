@@ -1,0 +1,228 @@
+"""The pool daemon: one per device, serving the pool protocol on a Unix socket.
+
+Every connection is a session. Requests on one connection are answered in order; state
+changes of all sessions are serialised by one asyncio lock (planning and bookkeeping take
+microseconds to a millisecond; byte copies run in a worker thread so the event loop keeps
+accepting connections and noticing disconnects). A connection that closes, for whatever
+reason including SIGKILL of its process, releases its session's pins and KV blocks.
+Malformed messages get a typed error reply; an oversized frame gets a reply and the
+connection is closed (its framing can no longer be trusted); the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from gpu_pool.arena import BaseArena
+from gpu_pool.config import PoolConfig
+from gpu_pool.errors import ConfigError, MessageTooLarge, PoolError, ProtocolError
+from gpu_pool.manifest import Manifest
+from gpu_pool.protocol import PROTOCOL_VERSION, decode_request, encode, error_reply, read_frame
+from gpu_pool.reuse_store import ReuseStore, StoreConfig
+
+log = logging.getLogger("ember.pool")
+
+
+def make_arena(config: PoolConfig) -> BaseArena:
+    """The arena backend for ``config.device``."""
+    if config.device == "cpu":
+        from gpu_pool.arena_cpu import CpuArena
+
+        return CpuArena(
+            config.aligned_arena_bytes,
+            shm_dir=config.shm_dir,
+            prefault=config.prefault,
+            num_threads=config.load_threads,
+        )
+    from gpu_pool.arena_cuda import CudaArena
+
+    index = int(config.device.split(":", 1)[1])
+    return CudaArena(
+        index,
+        config.aligned_arena_bytes,
+        host_cache_bytes=config.host_cache_bytes,
+        num_threads=config.load_threads,
+    )
+
+
+class PoolDaemon:
+    """Serves one :class:`ReuseStore` over a Unix socket."""
+
+    def __init__(self, config: PoolConfig, arena: BaseArena | None = None) -> None:
+        self.config = config
+        self.arena = arena or make_arena(config)
+        self.store = ReuseStore(self.arena, StoreConfig(eviction=config.eviction, packing=config.packing))
+        self._lock = asyncio.Lock()
+        self._session_ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        """Bind the socket (replacing a stale one) and start accepting."""
+        path = self.config.socket_path
+        if os.path.exists(path):
+            if _socket_is_live(path):
+                raise ConfigError(f"socket {path}: another pool daemon is already serving there")
+            os.unlink(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=path)
+        os.chmod(path, 0o600)
+
+    async def serve_forever(self) -> None:
+        """Start, announce readiness on stdout (one JSON line), serve until stopped."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopped.set)
+        ready = {
+            "event": "ready",
+            "socket": self.config.socket_path,
+            "device": self.arena.device,
+            "capacity_bytes": self.arena.capacity,
+            "pid": os.getpid(),
+        }
+        print(json.dumps(ready), flush=True)
+        try:
+            await self._stopped.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Stop accepting, close the arena and remove the socket."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.arena.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket_path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session_id = f"s{next(self._session_ids)}-{os.getpid()}"
+        self.store.open_session(session_id)
+        try:
+            while True:
+                try:
+                    body = await read_frame(reader, self.config.max_message_bytes)
+                except asyncio.IncompleteReadError:
+                    break
+                except MessageTooLarge as exc:
+                    writer.write(encode(error_reply(exc)))
+                    await writer.drain()
+                    break
+                request_id: Any = None
+                try:
+                    request = decode_request(body)
+                    request_id = request.get("id")
+                    reply = await self._dispatch(session_id, request)
+                    reply.update(v=PROTOCOL_VERSION, id=request_id, ok=True)
+                except PoolError as exc:
+                    reply = error_reply(exc, request_id)
+                except Exception as exc:  # a bug: answer it, log it, keep serving
+                    log.exception("internal error serving %s", session_id)
+                    reply = error_reply(PoolError(f"internal error: {type(exc).__name__}: {exc}"), request_id)
+                writer.write(encode(reply))
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass  # the peer went away mid-reply; the session is released below
+        finally:
+            async with self._lock:
+                self.store.close_session(session_id)
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _dispatch(self, session_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        op = request["op"]
+        if op == "hello":
+            return {
+                "session_id": session_id,
+                "device": self.arena.device,
+                "arena": self.arena.handle(),
+                "alignment": self.store.config.alignment,
+                "protocol": PROTOCOL_VERSION,
+            }
+        if op == "stats":
+            async with self._lock:
+                return {"stats": self.store.stats()}
+        if op == "acquire":
+            manifest = Manifest.from_dict(request.get("manifest"))
+            async with self._lock:
+                result = await asyncio.to_thread(self.store.acquire, session_id, manifest)
+            return {
+                "placements": result.placements,
+                "bytes_loaded": result.bytes_loaded,
+                "bytes_reused": result.bytes_reused,
+                "bytes_moved": result.bytes_moved,
+                "bytes_evicted": result.bytes_evicted,
+                "load_seconds": result.load_seconds,
+                "plan_seconds": result.plan_seconds,
+            }
+        if op == "release":
+            async with self._lock:
+                self.store.release(session_id)
+            return {}
+        if op == "kv_alloc":
+            num_blocks = _int_field(request, "num_blocks")
+            block_bytes = _int_field(request, "block_bytes")
+            async with self._lock:
+                alloc = self.store.kv_alloc(session_id, num_blocks, block_bytes)
+            return {
+                "block_ids": list(alloc.block_ids),
+                "offsets": list(alloc.offsets),
+                "block_bytes": alloc.block_bytes,
+                "bytes_evicted": alloc.bytes_evicted,
+            }
+        if op == "kv_free":
+            ids = request.get("block_ids")
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise ProtocolError("kv_free needs 'block_ids': a list of integers")
+            async with self._lock:
+                freed = self.store.kv_free(session_id, ids)
+            return {"freed": freed}
+        assert op == "evict", op
+        model_id = request.get("model_id")
+        if model_id is not None and not isinstance(model_id, str):
+            raise ProtocolError("evict: 'model_id' must be a string or absent")
+        async with self._lock:
+            return {"bytes_evicted": self.store.evict(model_id)}
+
+
+def _int_field(request: dict[str, Any], name: str) -> int:
+    value = request.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{request['op']} needs '{name}': an integer")
+    return value
+
+
+def _socket_is_live(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def run(config: PoolConfig) -> int:
+    """Run a daemon until SIGTERM/SIGINT; the ``ember pool`` entry point."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        daemon = PoolDaemon(config)
+    except PoolError as exc:
+        print(f"ember pool: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(daemon.serve_forever())
+    except PoolError as exc:
+        print(f"ember pool: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,112 @@
+"""Typed errors of the pool. Each has a stable ``code`` used as the wire error type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PoolError(Exception):
+    """Base of every error the pool raises or replies with."""
+
+    code = "pool_error"
+
+    def details(self) -> dict[str, Any]:
+        """Extra machine-readable fields sent with the error reply."""
+        return {}
+
+
+class ConfigError(PoolError, ValueError):
+    """A configuration value or environment variable is invalid."""
+
+    code = "config_error"
+
+
+class ProtocolError(PoolError):
+    """A message could not be understood (framing, encoding, schema)."""
+
+    code = "protocol_error"
+
+
+class MessageTooLarge(ProtocolError):
+    """A frame announced more bytes than the daemon accepts."""
+
+    code = "message_too_large"
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+    def details(self) -> dict[str, Any]:
+        return {"size": self.size, "limit": self.limit}
+
+
+class UnsupportedVersion(ProtocolError):
+    """The message's protocol version is not one this daemon speaks."""
+
+    code = "unsupported_version"
+
+
+class UnknownOp(ProtocolError):
+    """The message names an operation that does not exist."""
+
+    code = "unknown_op"
+
+
+class ManifestError(PoolError, ValueError):
+    """A manifest or store entry is inconsistent (sizes, dtypes, missing files)."""
+
+    code = "manifest_error"
+
+
+class OutOfMemory(PoolError):
+    """The arena cannot hold a request even after evicting everything evictable."""
+
+    code = "out_of_memory"
+
+    def __init__(self, what: str, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(
+            f"{what} needs {needed_bytes} bytes but only {available_bytes} bytes can be made "
+            f"available (free plus evictable, inactive tensors)"
+        )
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+    def details(self) -> dict[str, Any]:
+        return {"needed_bytes": self.needed_bytes, "available_bytes": self.available_bytes}
+
+
+class SessionError(PoolError):
+    """An operation referred to KV blocks or pins the session does not own."""
+
+    code = "session_error"
+
+
+class LoadError(PoolError):
+    """Copying tensor bytes from the model store into the arena failed."""
+
+    code = "load_error"
+
+
+class BackendUnavailable(PoolError):
+    """The requested device backend cannot run here (for example no CUDA)."""
+
+    code = "backend_unavailable"
+
+
+ERRORS_BY_CODE: dict[str, type[PoolError]] = {
+    cls.code: cls
+    for cls in (
+        PoolError,
+        ConfigError,
+        ProtocolError,
+        MessageTooLarge,
+        UnsupportedVersion,
+        UnknownOp,
+        ManifestError,
+        OutOfMemory,
+        SessionError,
+        LoadError,
+        BackendUnavailable,
+    )
+}

@@ -1,0 +1,147 @@
+"""Stage 1 of the Tangram planner: which inactive tensors to evict first.
+
+Pure Python. Each policy turns the evictable (inactive, resident) tensors into an
+eviction order; the planner consumes that order only as far as it needs bytes.
+
+Minimal-Cost Eviction (Tangram §3.2.2, Eq. 2) evicts in ascending
+``c_j = p_m * (s_j / b_m) * alpha_m``: the expected reload time the eviction causes,
+weighted by the model's latency sensitivity. ``p_m`` is the probability that model m is
+requested again within a horizon, from a Poisson model of its request rate
+(``1 - exp(-rate * horizon)``); the rate comes from a :class:`BaseRateEstimator`, the one
+component mCache's importance-aware utility will replace. A tensor shared by several
+models costs the sum over those models. LRU and random orders are the baselines.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class EvictionPolicy(enum.Enum):
+    MCE = "mce"
+    LRU = "lru"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionCandidate:
+    """An inactive resident tensor: its key (fingerprint), arena bytes, owners, last use."""
+
+    key: str
+    size: int
+    model_ids: tuple[str, ...]
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCostInputs:
+    """What Eq. 2 needs per model: miss probability, load bandwidth (bytes/s), alpha."""
+
+    miss_probability: float
+    bandwidth: float
+    latency_sensitivity: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.miss_probability <= 1.0:
+            raise ValueError("miss_probability must be in [0, 1]")
+        if not self.bandwidth > 0:
+            raise ValueError("bandwidth must be > 0 bytes/s")
+        if not self.latency_sensitivity > 0:
+            raise ValueError("latency_sensitivity must be > 0")
+
+
+def eviction_cost(candidate: EvictionCandidate, models: Mapping[str, ModelCostInputs]) -> float:
+    """Eq. 2 summed over the models that reference the tensor (seconds of expected reload)."""
+    cost = 0.0
+    for model_id in candidate.model_ids:
+        m = models.get(model_id)
+        if m is not None:
+            cost += m.miss_probability * (candidate.size / m.bandwidth) * m.latency_sensitivity
+    return cost
+
+
+def eviction_order(
+    policy: EvictionPolicy,
+    candidates: Iterable[EvictionCandidate],
+    models: Mapping[str, ModelCostInputs],
+    rng: random.Random | None = None,
+) -> list[str]:
+    """Keys of ``candidates`` in the order ``policy`` evicts them."""
+    cands = list(candidates)
+    if policy is EvictionPolicy.MCE:
+        # Ties (e.g. models never requested) fall back to least recently used.
+        cands.sort(key=lambda c: (eviction_cost(c, models), c.last_used, c.key))
+    elif policy is EvictionPolicy.LRU:
+        cands.sort(key=lambda c: (c.last_used, c.key))
+    else:
+        cands.sort(key=lambda c: c.key)  # deterministic input order for a seeded shuffle
+        (rng or random.Random(0)).shuffle(cands)
+    return [c.key for c in cands]
+
+
+class BaseRateEstimator(ABC):
+    """Per-model request-rate estimate (requests per second)."""
+
+    @abstractmethod
+    def observe(self, model_id: str, now: float) -> None:
+        """Record one request for ``model_id`` at time ``now`` (seconds)."""
+
+    @abstractmethod
+    def rate(self, model_id: str, now: float) -> float:
+        """Estimated request rate of ``model_id`` at ``now``; 0 for never-seen models."""
+
+    def miss_probability(self, model_id: str, now: float, horizon_s: float) -> float:
+        """P(at least one request within ``horizon_s``) under a Poisson arrival model."""
+        return 1.0 - math.exp(-self.rate(model_id, now) * horizon_s)
+
+
+@dataclass(slots=True)
+class _Arrivals:
+    last: float
+    mean_gap: float | None = None
+
+
+@dataclass
+class EwmaRateEstimator(BaseRateEstimator):
+    """Rate = 1 / EWMA of inter-arrival gaps, decayed by the time since the last arrival.
+
+    ``smoothing`` is the weight of the newest gap; ``first_gap_s`` stands in for the gap
+    of a model seen only once.
+    """
+
+    smoothing: float = 0.3
+    first_gap_s: float = 60.0
+    _models: dict[str, _Arrivals] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError("smoothing must be in (0, 1]")
+        if not self.first_gap_s > 0:
+            raise ValueError("first_gap_s must be > 0")
+
+    def observe(self, model_id: str, now: float) -> None:
+        a = self._models.get(model_id)
+        if a is None:
+            self._models[model_id] = _Arrivals(last=now)
+            return
+        gap = max(now - a.last, 1e-6)
+        a.mean_gap = gap if a.mean_gap is None else self.smoothing * gap + (1 - self.smoothing) * a.mean_gap
+        a.last = now
+
+    def rate(self, model_id: str, now: float) -> float:
+        a = self._models.get(model_id)
+        if a is None:
+            return 0.0
+        gap = a.mean_gap if a.mean_gap is not None else self.first_gap_s
+        # A model silent for longer than its usual gap is cooling down: use the silence.
+        return 1.0 / max(gap, now - a.last, 1e-6)
+
+    def forget(self, model_ids: Sequence[str]) -> None:
+        """Drop the history of models that are no longer known to the pool."""
+        for m in model_ids:
+            self._models.pop(m, None)

@@ -1,0 +1,440 @@
+"""The Reuse Store (Tangram §3.1): what is resident in one arena, and who uses it.
+
+It keeps the tensor map (fingerprint -> region), the KV blocks, the models that reference
+each tensor, and per-session pins. It asks the planner (:mod:`gpu_pool.allocator`) where
+missing tensors go and applies the plan to the arena (evict, move, load). Everything here
+is synchronous and single-threaded; the daemon serialises calls.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_pool.allocator import PackingPolicy, Plan, TensorRequest, plan, plan_kv
+from gpu_pool.arena import BaseArena, CopyJob
+from gpu_pool.errors import ConfigError, LoadError, ManifestError, SessionError
+from gpu_pool.eviction import (
+    BaseRateEstimator,
+    EvictionCandidate,
+    EvictionPolicy,
+    EwmaRateEstimator,
+    ModelCostInputs,
+    eviction_order,
+)
+from gpu_pool.fingerprint import fingerprint
+from gpu_pool.loader import group_copies
+from gpu_pool.manifest import Manifest, TensorEntry
+from gpu_pool.regions import DEFAULT_ALIGNMENT, Region, RegionKind, align_up, build_region_list
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Policy knobs of a Reuse Store."""
+
+    eviction: EvictionPolicy = EvictionPolicy.MCE
+    packing: PackingPolicy = PackingPolicy.PGP
+    alignment: int = DEFAULT_ALIGNMENT
+    horizon_s: float = 60.0  # p_m = P(model requested again within this horizon)
+    default_bandwidth: float = 2e9  # bytes/s assumed for b_m until a load is measured
+    seed: int = 0  # for the random-eviction baseline
+
+    def __post_init__(self) -> None:
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
+        if not self.horizon_s > 0:
+            raise ConfigError("horizon_s must be > 0")
+        if not self.default_bandwidth > 0:
+            raise ConfigError("default_bandwidth must be > 0")
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    key: str  # the fingerprint; dynamic tensors get a session-private key
+    offset: int
+    size: int  # aligned bytes in the arena
+    entry: TensorEntry
+    models: set[str] = field(default_factory=set)
+    pins: Counter[str] = field(default_factory=Counter)
+    last_used: float = 0.0
+    session_private: str | None = None  # session owning a dynamic tensor
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    offset: int
+    size: int
+    session_id: str
+
+
+@dataclass(slots=True)
+class ModelRecord:
+    model_id: str
+    keys: tuple[str, ...]
+    latency_sensitivity: float
+    nbytes: int
+    bandwidth: float | None = None  # measured load bytes/s
+
+
+@dataclass(slots=True)
+class SessionState:
+    session_id: str
+    pins: Counter[str] = field(default_factory=Counter)
+    private: set[str] = field(default_factory=set)
+    kv: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResult:
+    """Where a manifest's tensors are, and what it cost to get them there."""
+
+    placements: dict[str, int]  # tensor name -> arena offset
+    bytes_loaded: int
+    bytes_reused: int
+    bytes_moved: int
+    bytes_evicted: int
+    load_seconds: float
+    plan_seconds: float
+
+    @property
+    def load_bandwidth(self) -> float:
+        return self.bytes_loaded / self.load_seconds if self.load_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVAllocation:
+    block_ids: tuple[int, ...]
+    offsets: tuple[int, ...]
+    block_bytes: int
+    bytes_evicted: int
+
+
+class ReuseStore:
+    """Tensor map, region list, KV blocks and sessions of one arena."""
+
+    def __init__(
+        self,
+        arena: BaseArena,
+        config: StoreConfig | None = None,
+        rates: BaseRateEstimator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.config = config or StoreConfig()
+        if arena.capacity % self.config.alignment:
+            raise ConfigError(f"arena capacity must be a multiple of {self.config.alignment} bytes")
+        self.rates = rates or EwmaRateEstimator()
+        self.clock = clock
+        self.tensors: dict[str, TensorRecord] = {}
+        self.kv_blocks: dict[int, KVBlock] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.sessions: dict[str, SessionState] = {}
+        self._next_block_id = 1
+        self._rng = random.Random(self.config.seed)
+        self.counters: Counter[str] = Counter()
+        self.load_seconds = 0.0
+
+    # ----- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id} already exists")
+        self.sessions[session_id] = SessionState(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        """Release everything the session holds; it may not be used again."""
+        self.release(session_id)
+        self.sessions.pop(session_id, None)
+
+    def _session(self, session_id: str) -> SessionState:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionError(f"unknown session {session_id}") from None
+
+    # ----- tensors ------------------------------------------------------------------------------
+
+    def regions(self) -> list[Region]:
+        """The region list in address order (tiles the arena)."""
+        allocated = [
+            Region(t.offset, t.size, RegionKind.TENSOR, t.key, movable=not t.pins)
+            for t in self.tensors.values()
+        ]
+        allocated += [
+            Region(b.offset, b.size, RegionKind.KV, str(b.block_id)) for b in self.kv_blocks.values()
+        ]
+        return build_region_list(self.arena.capacity, allocated)
+
+    def acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
+        """Pin ``manifest``'s tensors for the session, loading the missing ones."""
+        session = self._session(session_id)
+        now = self.clock()
+        self.rates.observe(manifest.model_id, now)
+        keys = {e.name: self._key(e, session_id) for e in manifest.tensors}
+        self._register_model(manifest, keys)
+
+        unique: dict[str, TensorEntry] = {}
+        for e in manifest.tensors:
+            unique.setdefault(keys[e.name], e)
+        resident = [k for k in unique if k in self.tensors]
+        missing = [k for k in unique if k not in self.tensors]
+        # Pin what is resident before planning, so the plan can neither evict nor move it.
+        for k in resident:
+            self._pin(session, k, now)
+        t0 = time.perf_counter()
+        try:
+            requests = [TensorRequest(k, align_up(unique[k].nbytes, self.config.alignment)) for k in missing]
+            the_plan = self._plan(requests)
+        except BaseException:
+            for k in resident:
+                self._unpin(session, k)
+            raise
+        plan_seconds = time.perf_counter() - t0
+        self._apply_evictions_and_moves(the_plan)
+        for k in missing:
+            e = unique[k]
+            rec = TensorRecord(k, the_plan.placements[k], align_up(e.nbytes, self.config.alignment), e)
+            rec.session_private = None if e.static else session_id
+            self.tensors[k] = rec
+            self._pin(session, k, now)
+            if not e.static:
+                session.private.add(k)
+        for e in manifest.tensors:
+            self.tensors[keys[e.name]].models.add(manifest.model_id)
+
+        jobs = [
+            CopyJob(unique[k].file, unique[k].offset, the_plan.placements[k], unique[k].nbytes)
+            for k in missing
+        ]
+        t1 = time.perf_counter()
+        try:
+            self.arena.load(group_copies(jobs))
+        except BaseException as exc:
+            for k in missing:
+                self._unpin(session, k)
+                session.private.discard(k)
+                self.tensors.pop(k, None)
+            for k in resident:
+                self._unpin(session, k)
+            if isinstance(exc, LoadError):
+                raise
+            if isinstance(exc, OSError):
+                raise LoadError(f"loading {manifest.model_id}: {exc}") from exc
+            raise
+        load_seconds = time.perf_counter() - t1 if jobs else 0.0
+
+        bytes_loaded = sum(unique[k].nbytes for k in missing)
+        bytes_reused = sum(unique[k].nbytes for k in resident)
+        self._record_bandwidth(manifest.model_id, bytes_loaded, load_seconds)
+        self.counters.update(
+            bytes_loaded=bytes_loaded,
+            bytes_reused=bytes_reused,
+            bytes_moved=the_plan.bytes_moved,
+            bytes_evicted=the_plan.bytes_evicted,
+            reuse_hits=len(resident),
+            tensors_loaded=len(missing),
+            acquires=1,
+        )
+        self.load_seconds += load_seconds
+        return AcquireResult(
+            placements={e.name: self.tensors[keys[e.name]].offset for e in manifest.tensors},
+            bytes_loaded=bytes_loaded,
+            bytes_reused=bytes_reused,
+            bytes_moved=the_plan.bytes_moved,
+            bytes_evicted=the_plan.bytes_evicted,
+            load_seconds=load_seconds,
+            plan_seconds=plan_seconds,
+        )
+
+    def release(self, session_id: str) -> None:
+        """Unpin everything the session pinned and free its KV blocks and private tensors."""
+        session = self._session(session_id)
+        now = self.clock()
+        for key in session.pins:
+            rec = self.tensors.get(key)
+            if rec is not None:
+                del rec.pins[session_id]
+                rec.last_used = now
+        session.pins.clear()
+        for key in session.private:
+            self.tensors.pop(key, None)
+        session.private.clear()
+        for block_id in session.kv:
+            del self.kv_blocks[block_id]
+        session.kv.clear()
+
+    def evict(self, model_id: str | None = None) -> int:
+        """Evict inactive tensors (of one model, or all); returns bytes freed. Admin operation."""
+        if model_id is not None and model_id not in self.models:
+            raise ManifestError(f"unknown model {model_id!r}")
+        victims = [
+            k for k, t in self.tensors.items() if not t.pins and (model_id is None or model_id in t.models)
+        ]
+        freed = sum(self.tensors[k].size for k in victims)
+        for k in victims:
+            del self.tensors[k]
+        self.counters.update(bytes_evicted=freed)
+        return freed
+
+    def verify(self, key: str) -> bool:
+        """Whether the resident bytes of tensor ``key`` still match its fingerprint."""
+        rec = self.tensors[key]
+        data = self.arena.read(rec.offset, rec.entry.nbytes)
+        return fingerprint(rec.entry.dtype, rec.entry.shape, data) == rec.entry.fingerprint
+
+    # ----- KV blocks ---------------------------------------------------------------------------
+
+    def kv_alloc(self, session_id: str, num_blocks: int, block_bytes: int) -> KVAllocation:
+        """Allocate KV blocks for the session, evicting inactive tensors if space is short."""
+        session = self._session(session_id)
+        if num_blocks <= 0 or block_bytes <= 0:
+            raise SessionError("kv_alloc needs num_blocks > 0 and block_bytes > 0")
+        size = align_up(block_bytes, self.config.alignment)
+        kv_plan = plan_kv(self.regions(), num_blocks, size, self._eviction_order())
+        for key in kv_plan.evictions:
+            del self.tensors[key]
+        ids = []
+        for offset in kv_plan.offsets:
+            block = KVBlock(self._next_block_id, offset, size, session_id)
+            self._next_block_id += 1
+            self.kv_blocks[block.block_id] = block
+            session.kv.add(block.block_id)
+            ids.append(block.block_id)
+        self.counters.update(bytes_evicted=kv_plan.bytes_evicted, kv_blocks_allocated=num_blocks)
+        return KVAllocation(tuple(ids), kv_plan.offsets, size, kv_plan.bytes_evicted)
+
+    def kv_free(self, session_id: str, block_ids: Iterable[int]) -> int:
+        """Free the session's blocks; all ids are checked before any is freed."""
+        session = self._session(session_id)
+        ids = list(block_ids)
+        foreign = [b for b in ids if b not in session.kv]
+        if foreign:
+            raise SessionError(f"session does not own KV blocks {foreign[:8]}")
+        for b in ids:
+            session.kv.discard(b)
+            self.kv_blocks.pop(b, None)
+        return len(ids)
+
+    # ----- reporting ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Capacity, occupancy, reuse counters and per-model residency (msgpack-safe)."""
+        tensor_bytes = sum(t.size for t in self.tensors.values())
+        pinned = sum(t.size for t in self.tensors.values() if t.pins)
+        kv_bytes = sum(b.size for b in self.kv_blocks.values())
+        regions = self.regions()
+        free_sizes = [r.size for r in regions if r.is_free]
+        models = {}
+        for m in self.models.values():
+            resident = sum(self.tensors[k].entry.nbytes for k in set(m.keys) if k in self.tensors)
+            models[m.model_id] = {
+                "total_bytes": m.nbytes,
+                "resident_bytes": resident,
+                "active": any(self.tensors[k].pins for k in m.keys if k in self.tensors),
+            }
+        loaded = self.counters["bytes_loaded"]
+        return {
+            "device": self.arena.device,
+            "capacity_bytes": self.arena.capacity,
+            "free_bytes": sum(free_sizes),
+            "largest_free_bytes": max(free_sizes, default=0),
+            "resident_bytes": tensor_bytes,
+            "pinned_bytes": pinned,
+            "kv_bytes": kv_bytes,
+            "num_tensors": len(self.tensors),
+            "num_regions": len(regions),
+            "num_kv_blocks": len(self.kv_blocks),
+            "bytes_loaded": loaded,
+            "bytes_reused": self.counters["bytes_reused"],
+            "bytes_moved": self.counters["bytes_moved"],
+            "bytes_evicted": self.counters["bytes_evicted"],
+            "reuse_hits": self.counters["reuse_hits"],
+            "acquires": self.counters["acquires"],
+            "load_bandwidth": loaded / self.load_seconds if self.load_seconds > 0 else 0.0,
+            "sessions": len(self.sessions),
+            "models": models,
+        }
+
+    # ----- internals ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(entry: TensorEntry, session_id: str) -> str:
+        # Dynamic tensors (per-request weights) are never shared: key them per session.
+        return entry.fingerprint if entry.static else f"{entry.fingerprint}@{session_id}"
+
+    def _register_model(self, manifest: Manifest, keys: dict[str, str]) -> None:
+        static_keys = tuple(dict.fromkeys(keys[e.name] for e in manifest.tensors if e.static))
+        nbytes = sum({keys[e.name]: e.nbytes for e in manifest.tensors if e.static}.values())
+        old = self.models.get(manifest.model_id)
+        self.models[manifest.model_id] = ModelRecord(
+            manifest.model_id,
+            static_keys,
+            manifest.latency_sensitivity,
+            nbytes,
+            old.bandwidth if old else None,
+        )
+
+    def _pin(self, session: SessionState, key: str, now: float) -> None:
+        rec = self.tensors[key]
+        rec.pins[session.session_id] += 1
+        rec.last_used = now
+        session.pins[key] += 1
+
+    def _unpin(self, session: SessionState, key: str) -> None:
+        sid = session.session_id
+        rec = self.tensors.get(key)
+        if rec is not None:
+            rec.pins[sid] -= 1
+            if rec.pins[sid] <= 0:
+                del rec.pins[sid]
+        session.pins[key] -= 1
+        if session.pins[key] <= 0:
+            del session.pins[key]
+
+    def _eviction_order(self) -> list[str]:
+        now = self.clock()
+        candidates = [
+            EvictionCandidate(t.key, t.size, tuple(sorted(t.models)), t.last_used)
+            for t in self.tensors.values()
+            if not t.pins
+        ]
+        inputs = {}
+        if self.config.eviction is EvictionPolicy.MCE:
+            pool_bw = self._pool_bandwidth()
+            for m in self.models.values():
+                inputs[m.model_id] = ModelCostInputs(
+                    self.rates.miss_probability(m.model_id, now, self.config.horizon_s),
+                    m.bandwidth or pool_bw,
+                    m.latency_sensitivity,
+                )
+        return eviction_order(self.config.eviction, candidates, inputs, self._rng)
+
+    def _plan(self, requests: list[TensorRequest]) -> Plan:
+        if not requests:
+            return Plan({})
+        return plan(self.regions(), requests, self._eviction_order(), self.config.packing)
+
+    def _apply_evictions_and_moves(self, the_plan: Plan) -> None:
+        for key in the_plan.evictions:
+            del self.tensors[key]
+        for mv in the_plan.moves:
+            self.arena.move(mv.dst, mv.src, mv.size)
+            self.tensors[mv.key].offset = mv.dst
+
+    def _pool_bandwidth(self) -> float:
+        loaded = self.counters["bytes_loaded"]
+        if loaded >= 1 << 20 and self.load_seconds > 0:
+            return loaded / self.load_seconds
+        return self.config.default_bandwidth
+
+    def _record_bandwidth(self, model_id: str, nbytes: int, seconds: float) -> None:
+        if nbytes < 1 << 20 or seconds <= 0:
+            return  # too small to say anything about bandwidth
+        m = self.models[model_id]
+        bw = nbytes / seconds
+        m.bandwidth = bw if m.bandwidth is None else 0.5 * bw + 0.5 * m.bandwidth

@@ -1,0 +1,234 @@
+"""Stateful property tests of the Reuse Store over a real CPU arena holding real bytes."""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from gpu_pool.allocator import PackingPolicy, full_compaction_bytes
+from gpu_pool.arena_cpu import CpuArena
+from gpu_pool.errors import OutOfMemory, SessionError
+from gpu_pool.eviction import EvictionPolicy
+from gpu_pool.manifest import Manifest
+from gpu_pool.regions import RegionKind, align_up
+from gpu_pool.reuse_store import ReuseStore, StoreConfig
+from tests.conftest import random_tensors, write_entry
+
+ARENA_BYTES = 3 << 20
+NUM_SESSIONS = 3
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory: pytest.TempPathFactory) -> list[Manifest]:
+    """Eight models of random sizes (1 B to 150 KB per tensor); some share tensors."""
+    root = tmp_path_factory.mktemp("store")
+    g = torch.Generator().manual_seed(7)
+    shared = random_tensors(99, [40_000, 123], prefix="shared")
+    out = []
+    for m in range(8):
+        n = int(torch.randint(2, 10, (1,), generator=g))
+        sizes = [int(s) for s in torch.randint(1, 150_000, (n,), generator=g)]
+        tensors = random_tensors(m, sizes)
+        if m % 3 == 0:
+            tensors.update(shared)  # models 0, 3, 6 share two tensors
+        out.append(write_entry(root, f"model{m}", tensors))
+    return out
+
+
+def free_regions_best_fit(store: ReuseStore, sizes: list[int]) -> bool:
+    holes = sorted(r.size for r in store.regions() if r.is_free)
+    for size in sorted(sizes, reverse=True):
+        i = bisect.bisect_left(holes, size)
+        if i == len(holes):
+            return False
+        rest = holes.pop(i) - size
+        if rest:
+            bisect.insort(holes, rest)
+    return True
+
+
+class ReuseStoreMachine(RuleBasedStateMachine):
+    manifests: list[Manifest] = []
+    config = StoreConfig()
+
+    @staticmethod
+    def make_arena(capacity: int) -> CpuArena:
+        return CpuArena(capacity, prefault=False)
+
+    @initialize()
+    def setup(self) -> None:
+        self.arena = self.make_arena(ARENA_BYTES)
+        self.clock_now = 0.0
+        self.store = ReuseStore(self.arena, self.config, clock=lambda: self.clock_now)
+        self.sids = [f"s{i}" for i in range(NUM_SESSIONS)]
+        for sid in self.sids:
+            self.store.open_session(sid)
+        self.pinned_offsets: dict[str, int] = {}  # fingerprint -> offset while pinned
+        self.kv: dict[str, set[int]] = {sid: set() for sid in self.sids}
+        self.kv_offsets: dict[int, int] = {}
+
+    def teardown(self) -> None:
+        if hasattr(self, "arena"):
+            self.arena.close()
+
+    def _snapshot_pins(self) -> None:
+        self.pinned_offsets = {k: t.offset for k, t in self.store.tensors.items() if t.pins}
+
+    @rule(session=st.integers(0, NUM_SESSIONS - 1), model=st.integers(0, 7))
+    def acquire(self, session: int, model: int) -> None:
+        self.clock_now += 1.0
+        manifest = self.manifests[model]
+        missing = {e.fingerprint: e.nbytes for e in manifest.tensors if e.fingerprint not in self.store.tensors}
+        sizes = [align_up(n) for n in missing.values()]
+        fits_free = free_regions_best_fit(self.store, sizes)
+        regions = self.store.regions()
+        try:
+            result = self.store.acquire(self.sids[session], manifest)
+        except OutOfMemory as exc:
+            assert exc.needed_bytes == sum(sizes)
+            return
+        if fits_free:
+            assert result.bytes_moved == 0
+        evicted = [r.key for r in regions if r.kind is RegionKind.TENSOR and r.key not in self.store.tensors]
+        assert result.bytes_moved <= full_compaction_bytes(regions, [k for k in evicted if k is not None])
+        # Shared tensors resolve to one copy: same fingerprint, same offset.
+        by_fp: dict[str, int] = {}
+        for e in manifest.tensors:
+            assert by_fp.setdefault(e.fingerprint, result.placements[e.name]) == result.placements[e.name]
+        self._snapshot_pins()
+
+    @rule(session=st.integers(0, NUM_SESSIONS - 1))
+    def release(self, session: int) -> None:
+        self.clock_now += 1.0
+        self.store.release(self.sids[session])
+        self.kv[self.sids[session]].clear()
+        self._snapshot_pins()
+
+    @rule(session=st.integers(0, NUM_SESSIONS - 1), num_blocks=st.integers(1, 6), block_bytes=st.integers(1, 50_000))
+    def kv_alloc(self, session: int, num_blocks: int, block_bytes: int) -> None:
+        sid = self.sids[session]
+        try:
+            alloc = self.store.kv_alloc(sid, num_blocks, block_bytes)
+        except OutOfMemory:
+            return
+        assert len(alloc.block_ids) == num_blocks
+        self.kv[sid].update(alloc.block_ids)
+        self.kv_offsets.update(zip(alloc.block_ids, alloc.offsets, strict=True))
+
+    @precondition(lambda self: any(self.kv.values()))
+    @rule(session=st.integers(0, NUM_SESSIONS - 1), data=st.data())
+    def kv_free(self, session: int, data: st.DataObject) -> None:
+        sid = self.sids[session]
+        if not self.kv[sid]:
+            other = next(s for s in self.sids if self.kv[s])
+            with pytest.raises(SessionError):
+                self.store.kv_free(sid, [next(iter(self.kv[other]))])
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.kv[sid])), min_size=1, unique=True))
+        self.store.kv_free(sid, ids)
+        self.kv[sid].difference_update(ids)
+
+    @invariant()
+    def regions_tile_the_arena(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        regions = self.store.regions()
+        cursor = 0
+        for r in regions:
+            assert r.offset == cursor, "regions must be contiguous and non-overlapping"
+            assert r.size > 0
+            cursor = r.end
+        assert cursor == self.arena.capacity
+        for a, b in zip(regions, regions[1:], strict=False):
+            assert not (a.is_free and b.is_free), "free neighbours are merged"
+
+    @invariant()
+    def pinned_tensors_stay_put(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        for key, offset in self.pinned_offsets.items():
+            assert key in self.store.tensors, "a pinned tensor disappeared"
+            assert self.store.tensors[key].offset == offset, "a pinned tensor moved"
+
+    @invariant()
+    def kv_blocks_stay_put(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        for sid, ids in self.kv.items():
+            for b in ids:
+                block = self.store.kv_blocks[b]
+                assert block.session_id == sid and block.offset == self.kv_offsets[b]
+
+    @invariant()
+    def resident_bytes_match_fingerprints(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        for key in self.store.tensors:
+            assert self.store.verify(key), f"tensor {key} was corrupted"
+
+    @invariant()
+    def shared_tensors_stored_once(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        offsets = [t.offset for t in self.store.tensors.values()]
+        assert len(offsets) == len(set(offsets))
+        for t in self.store.tensors.values():
+            assert t.key == t.entry.fingerprint
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        StoreConfig(),
+        StoreConfig(eviction=EvictionPolicy.LRU),
+        StoreConfig(eviction=EvictionPolicy.RANDOM, packing=PackingPolicy.GLOBAL_MERGE),
+        StoreConfig(packing=PackingPolicy.GLOBAL_MERGE),
+    ],
+    ids=["mce-pgp", "lru-pgp", "random-gm", "mce-gm"],
+)
+def test_reuse_store_state_machine(manifests: list[Manifest], config: StoreConfig) -> None:
+    ReuseStoreMachine.manifests = manifests
+    ReuseStoreMachine.config = config
+    run_state_machine_as_test(
+        ReuseStoreMachine,
+        settings=settings(
+            max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
+
+
+def test_release_keeps_tensors_resident_and_reusable(manifests: list[Manifest]) -> None:
+    arena = CpuArena(8 << 20, prefault=False)
+    try:
+        store = ReuseStore(arena)
+        store.open_session("a")
+        first = store.acquire("a", manifests[1])
+        store.close_session("a")
+        store.open_session("b")
+        again = store.acquire("b", manifests[1])
+        assert first.bytes_loaded == manifests[1].nbytes and first.bytes_reused == 0
+        assert again.bytes_loaded == 0 and again.bytes_reused == manifests[1].nbytes
+        assert again.placements == first.placements
+    finally:
+        arena.close()
+
+
+def test_shared_tensors_are_loaded_once(manifests: list[Manifest]) -> None:
+    arena = CpuArena(8 << 20, prefault=False)
+    try:
+        store = ReuseStore(arena)
+        store.open_session("a")
+        store.acquire("a", manifests[0])
+        second = store.acquire("a", manifests[3])
+        shared = sum(e.nbytes for e in manifests[3].tensors if e.name.startswith("shared"))
+        assert second.bytes_reused == shared
+        rec = store.tensors[manifests[0]["shared0"].fingerprint]
+        assert rec.models == {"model0", "model3"}
+    finally:
+        arena.close()
