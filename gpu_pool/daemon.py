@@ -79,31 +79,31 @@ class PoolDaemon:
 
     async def serve_forever(self) -> None:
         """Start, announce readiness on stdout (one JSON line), serve until stopped."""
-        await self.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopped.set)
-        ready = {
-            "event": "ready",
-            "socket": self.config.socket_path,
-            "device": self.arena.device,
-            "capacity_bytes": self.arena.capacity,
-            "pid": os.getpid(),
-        }
-        print(json.dumps(ready), flush=True)
         try:
+            await self.start()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stopped.set)
+            ready = {
+                "event": "ready",
+                "socket": self.config.socket_path,
+                "device": self.arena.device,
+                "capacity_bytes": self.arena.capacity,
+                "pid": os.getpid(),
+            }
+            print(json.dumps(ready), flush=True)
             await self._stopped.wait()
         finally:
             await self.stop()
 
     async def stop(self) -> None:
-        """Stop accepting, close the arena and remove the socket."""
+        """Stop accepting, close the arena and remove our socket (never another daemon's)."""
         if self._server is not None:
             self._server.close()
             self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
         self.arena.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket_path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session_id = f"s{next(self._session_ids)}-{os.getpid()}"

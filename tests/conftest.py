@@ -20,7 +20,10 @@ from gpu_pool.manifest import Manifest
 def random_tensors(seed: int, sizes: list[int], prefix: str = "t") -> dict[str, torch.Tensor]:
     """Named uint8 tensors of the given byte sizes filled with seeded random bytes."""
     g = torch.Generator().manual_seed(seed)
-    return {f"{prefix}{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+    return {
+        f"{prefix}{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        for i, n in enumerate(sizes)
+    }
 
 
 def write_entry(root: Path, name: str, tensors: dict[str, torch.Tensor]) -> Manifest:
@@ -34,7 +37,18 @@ class PoolProcess:
         self.socket_path = str(socket_path)
         env = dict(os.environ, EMBER_POOL_PREFAULT="false")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_pool", "--device", "cpu", "--arena", arena, "--socket", self.socket_path, *extra],
+            [
+                sys.executable,
+                "-m",
+                "gpu_pool",
+                "--device",
+                "cpu",
+                "--arena",
+                arena,
+                "--socket",
+                self.socket_path,
+                *extra,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -43,7 +57,9 @@ class PoolProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"pool daemon failed to start: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            raise RuntimeError(
+                f"pool daemon failed to start: {self.proc.stderr.read() if self.proc.stderr else ''}"
+            )
         self.ready = json.loads(line)
         assert self.ready["event"] == "ready"
 

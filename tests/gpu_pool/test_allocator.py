@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -57,7 +58,9 @@ def naive_best_fit(free: list[tuple[int, int]], sizes: list[int]) -> bool:
     return True
 
 
-def check_plan_invariants(regions: list[Region], requests: list[TensorRequest], packing: PackingPolicy) -> None:
+def check_plan_invariants(
+    regions: list[Region], requests: list[TensorRequest], packing: PackingPolicy
+) -> None:
     capacity = regions[-1].end
     order = [r.key for r in regions if r.movable]
     try:
@@ -88,7 +91,7 @@ def check_plan_invariants(regions: list[Region], requests: list[TensorRequest], 
     assert set(p.placements) == set(sizes)
     final += [(off, sizes[k], k) for k, off in p.placements.items()]
     final.sort()
-    for (a_off, a_size, a), (b_off, _, b) in zip(final, final[1:], strict=False):
+    for (a_off, a_size, a), (b_off, _, b) in itertools.pairwise(final):
         assert a_off + a_size <= b_off, f"{a} overlaps {b}"
     assert final[0][0] >= 0 and final[-1][0] + final[-1][1] <= capacity
     # Moves execute in order without clobbering a tensor that has not moved yet.
@@ -142,7 +145,9 @@ def test_figure6_partition_avoids_moving_the_big_tensor() -> None:
     p = plan(regions, [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)], ["small", "big"])
     assert p.evictions == ()
     assert [m.key for m in p.moves] == ["small"]
-    gm = plan(regions, [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)], [], PackingPolicy.GLOBAL_MERGE)
+    gm = plan(
+        regions, [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)], [], PackingPolicy.GLOBAL_MERGE
+    )
     assert gm.bytes_moved == 4 * UNIT
 
 
@@ -173,7 +178,7 @@ def test_kv_plans_never_touch_fixed_regions(regions: list[Region], num_blocks: i
     assert all(next(r for r in regions if r.key == k).movable for k in evicted)
     kept = [(r.offset, r.size) for r in regions if not r.is_free and r.key not in evicted]
     spans = sorted(kept + [(o, block) for o in kv.offsets])
-    for (a, sa), (b, _) in zip(spans, spans[1:], strict=False):
+    for (a, sa), (b, _) in itertools.pairwise(spans):
         assert a + sa <= b
     # Eviction happens only when free space alone could not hold the blocks.
     if sum(r.size // block for r in regions if r.is_free) >= num_blocks:

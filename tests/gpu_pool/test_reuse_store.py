@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import bisect
-from pathlib import Path
+import itertools
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from gpu_pool.allocator import PackingPolicy, full_compaction_bytes
 from gpu_pool.arena_cpu import CpuArena
@@ -84,7 +91,9 @@ class ReuseStoreMachine(RuleBasedStateMachine):
     def acquire(self, session: int, model: int) -> None:
         self.clock_now += 1.0
         manifest = self.manifests[model]
-        missing = {e.fingerprint: e.nbytes for e in manifest.tensors if e.fingerprint not in self.store.tensors}
+        missing = {
+            e.fingerprint: e.nbytes for e in manifest.tensors if e.fingerprint not in self.store.tensors
+        }
         sizes = [align_up(n) for n in missing.values()]
         fits_free = free_regions_best_fit(self.store, sizes)
         regions = self.store.regions()
@@ -110,7 +119,11 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         self.kv[self.sids[session]].clear()
         self._snapshot_pins()
 
-    @rule(session=st.integers(0, NUM_SESSIONS - 1), num_blocks=st.integers(1, 6), block_bytes=st.integers(1, 50_000))
+    @rule(
+        session=st.integers(0, NUM_SESSIONS - 1),
+        num_blocks=st.integers(1, 6),
+        block_bytes=st.integers(1, 50_000),
+    )
     def kv_alloc(self, session: int, num_blocks: int, block_bytes: int) -> None:
         sid = self.sids[session]
         try:
@@ -145,7 +158,7 @@ class ReuseStoreMachine(RuleBasedStateMachine):
             assert r.size > 0
             cursor = r.end
         assert cursor == self.arena.capacity
-        for a, b in zip(regions, regions[1:], strict=False):
+        for a, b in itertools.pairwise(regions):
             assert not (a.is_free and b.is_free), "free neighbours are merged"
 
     @invariant()

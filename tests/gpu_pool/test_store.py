@@ -1,0 +1,193 @@
+"""Model store format, manifests, fingerprints, config parsing and copy grouping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu_pool import store
+from gpu_pool.arena import CopyJob
+from gpu_pool.arena_cpu import CpuArena, remove_stale_arenas
+from gpu_pool.config import PoolConfig, parse_size
+from gpu_pool.errors import ConfigError, LoadError, ManifestError
+from gpu_pool.fingerprint import fingerprint
+from gpu_pool.loader import coalesce, group_copies
+from gpu_pool.manifest import Manifest
+
+
+def test_write_records_offsets_and_fingerprints(tmp_path: Path) -> None:
+    tensors = {
+        "emb": torch.randn(64, 32),
+        "bias": torch.randn(5).to(torch.bfloat16),
+        "ids": torch.arange(10, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+    }
+    m = store.write(tmp_path / "model", tensors)
+    assert m.model_id == "model"
+    assert [e.name for e in m.tensors] == list(tensors)  # caller's order is the load order
+    raw = (tmp_path / "model" / store.TENSORS_FILE).read_bytes()
+    for e in m.tensors:
+        t = tensors[e.name]
+        assert e.shape == tuple(t.shape) and e.nbytes == t.numel() * t.element_size()
+        assert raw[e.offset : e.offset + e.nbytes] == t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert e.fingerprint == fingerprint(e.dtype, e.shape, raw[e.offset : e.offset + e.nbytes])
+    assert store.read(tmp_path / "model") == m
+    assert store.verify(m) == []
+
+
+def test_fingerprint_covers_dtype_and_shape() -> None:
+    data = bytes(range(16))
+    assert fingerprint("float32", (4,), data) != fingerprint("int32", (4,), data)
+    assert fingerprint("float32", (2, 2), data) != fingerprint("float32", (4,), data)
+    assert fingerprint("float32", (4,), data) == fingerprint("float32", [4], data)
+
+
+def test_identical_tensors_in_two_models_share_a_fingerprint(tmp_path: Path) -> None:
+    shared = torch.randn(100)
+    a = store.write(tmp_path / "a", {"x": shared, "y": torch.randn(3)})
+    b = store.write(tmp_path / "b", {"z": shared.clone()})
+    assert a["x"].fingerprint == b["z"].fingerprint
+    assert a["y"].fingerprint != b["z"].fingerprint
+
+
+def test_write_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    store.write(tmp_path / "m", {"x": torch.ones(3)})
+    with pytest.raises(ManifestError, match="already exists"):
+        store.write(tmp_path / "m", {"x": torch.ones(3)})
+
+    with pytest.raises(Exception):  # noqa: B017 - any failure mid-write
+        store.write(tmp_path / "broken", {"x": torch.ones(3), "y": object()})  # type: ignore[dict-item]
+    assert not (tmp_path / "broken").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_verify_detects_corruption(tmp_path: Path) -> None:
+    m = store.write(tmp_path / "m", {"x": torch.arange(100, dtype=torch.float32)})
+    path = Path(m["x"].file)
+    data = bytearray(path.read_bytes())
+    data[m["x"].offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert store.verify(m) == ["x"]
+
+
+def test_manifest_round_trip_and_validation(tmp_path: Path) -> None:
+    m = store.write(tmp_path / "m", {"x": torch.ones(2, 3)})
+    assert Manifest.from_dict(m.to_dict()) == m
+    bad = m.to_dict()
+    bad["tensors"][0]["nbytes"] = 5
+    with pytest.raises(ManifestError, match="nbytes"):
+        Manifest.from_dict(bad)
+    bad = m.to_dict()
+    del bad["tensors"][0]["fingerprint"]
+    with pytest.raises(ManifestError, match="fingerprint"):
+        Manifest.from_dict(bad)
+    with pytest.raises(ManifestError, match="version"):
+        Manifest.from_dict({**m.to_dict(), "version": 7})
+    with pytest.raises(ManifestError):
+        Manifest.from_dict("nope")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GB", 1_500_000_000),
+        ("1000", 1000),
+        ("64 kib", 64 << 10),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "4 parsecs", "-1GiB", "GiB", "1e9"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="--arena"):
+        parse_size(text, "--arena")
+
+
+def test_pool_config_from_env_fails_loudly() -> None:
+    env = {"EMBER_POOL_DEVICE": "cpu", "EMBER_POOL_ARENA": "64MiB", "EMBER_POOL_SOCKET": "/tmp/x.sock"}
+    cfg = PoolConfig.from_env(env)
+    assert cfg.arena_bytes == 64 << 20 and cfg.device == "cpu"
+    assert PoolConfig.from_env(env, device="cuda:1").device == "cuda:1"
+    with pytest.raises(ConfigError, match="EMBER_POOL_DEVICE"):
+        PoolConfig.from_env({k: v for k, v in env.items() if k != "EMBER_POOL_DEVICE"})
+    with pytest.raises(ConfigError, match="device"):
+        PoolConfig.from_env({**env, "EMBER_POOL_DEVICE": "tpu"})
+    with pytest.raises(ConfigError, match="EMBER_POOL_PREFAULT"):
+        PoolConfig.from_env({**env, "EMBER_POOL_PREFAULT": "maybe"})
+    with pytest.raises(ConfigError, match="EMBER_POOL_EVICTION"):
+        PoolConfig.from_env({**env, "EMBER_POOL_EVICTION": "fifo"})
+
+
+jobs_st = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b"]),
+        st.integers(0, 1 << 24),
+        st.integers(0, 1 << 24),
+        st.integers(0, 20 << 20),
+    ),
+    max_size=30,
+).map(lambda xs: [CopyJob(f, s, d, n) for f, s, d, n in xs])
+
+
+@given(jobs_st)
+def test_grouping_preserves_every_byte(jobs: list[CopyJob]) -> None:
+    def expand(js: list[CopyJob]) -> set[tuple[str, int, int]]:
+        # (file, src byte, dst byte) triples, sampled at both ends and the middle of each job
+        out = set()
+        for j in js:
+            for k in {0, j.nbytes // 2, j.nbytes - 1} if j.nbytes else set():
+                out.add((j.file, j.src + k, j.dst + k))
+        return out
+
+    groups = group_copies(jobs, min_group=8 << 20, max_chunk=16 << 20)
+    flat = [j for g in groups for j in g]
+    assert sum(j.nbytes for j in flat) == sum(j.nbytes for j in jobs)
+    assert all(j.nbytes <= 16 << 20 for j in flat)
+    assert expand([j for j in jobs if j.nbytes]) <= expand(flat) | expand(coalesce(jobs))
+    # every group but the last batch holds at least min_group bytes
+    assert all(sum(j.nbytes for j in g) >= 8 << 20 for g in groups[:-1] if len(g) > 1)
+
+
+def test_coalesce_merges_adjacent_copies() -> None:
+    jobs = [CopyJob("f", 0, 100, 10), CopyJob("f", 10, 110, 5), CopyJob("f", 15, 200, 5)]
+    assert coalesce(jobs) == [CopyJob("f", 0, 100, 15), CopyJob("f", 15, 200, 5)]
+
+
+def test_cpu_arena_load_move_and_errors(tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    payload = bytes(range(256)) * 64
+    src.write_bytes(payload)
+    arena = CpuArena(1 << 20, shm_dir=str(tmp_path), prefault=False)
+    try:
+        arena.load(group_copies([CopyJob(str(src), 0, 4096, len(payload))]))
+        assert arena.read(4096, len(payload)) == payload
+        arena.move(4096 + 100, 4096, 1000)  # overlapping, forward
+        assert arena.read(4196, 1000) == payload[:1000]
+        arena.move(0, 4196, 1000)  # backward
+        assert arena.read(0, 1000) == payload[:1000]
+        with pytest.raises(LoadError, match="ends before"):
+            arena.load([[CopyJob(str(src), len(payload) - 10, 0, 100)]])
+        with pytest.raises(LoadError, match="cannot open"):
+            arena.load([[CopyJob(str(tmp_path / "missing"), 0, 0, 10)]])
+        with pytest.raises(ValueError, match="leaves the arena"):
+            arena.move(0, (1 << 20) - 10, 100)
+    finally:
+        arena.close()
+    assert not Path(arena.path).exists()
+
+
+def test_stale_arena_files_of_dead_daemons_are_removed(tmp_path: Path) -> None:
+    dead = tmp_path / "ember-pool-999999999-abcdef"
+    dead.write_bytes(b"x")
+    live = tmp_path / f"ember-pool-{__import__('os').getpid()}-abcdef"
+    live.write_bytes(b"x")
+    assert remove_stale_arenas(tmp_path) == [str(dead)]
+    assert live.exists()
