@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
-from gpu_pool.manifest import Manifest
+from gpu_pool.manifest import DTYPE_ITEMSIZE, Manifest
 from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class PoolClient:
             self._sock.close()
             raise ConnectionError(f"cannot reach the pool daemon at {socket_path}: {exc}") from None
         self._arena: torch.Tensor | None = None
+        self._storage: torch.UntypedStorage | None = None
         self.last_acquire: AcquireReport | None = None
         info = self._call("hello", pid=os.getpid())
         self.session_id: str = info["session_id"]
@@ -94,7 +95,7 @@ class PoolClient:
 
     def acquire(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """Pin ``manifest``'s tensors (loading missing ones) and return views into the arena."""
-        reply = self._call("acquire", manifest=manifest.to_dict())
+        reply = self._call("acquire", manifest_bin=manifest.encoded())
         self.last_acquire = AcquireReport(
             reply["bytes_loaded"],
             reply["bytes_reused"],
@@ -137,18 +138,18 @@ class PoolClient:
         import torch
 
         arena = self.arena()
-        torch_dtype = getattr(torch, dtype)
-        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        itemsize = DTYPE_ITEMSIZE[dtype]
         assert offset % itemsize == 0, "the pool aligns every region"
         shape = tuple(shape)
-        stride = _contiguous_stride(shape)
-        t = torch.empty(0, dtype=torch_dtype, device=arena.device)
-        return t.set_(arena.untyped_storage(), offset // itemsize, shape, stride)
+        t = torch.empty(0, dtype=getattr(torch, dtype), device=arena.device)
+        assert self._storage is not None
+        return t.set_(self._storage, offset // itemsize, shape, _contiguous_stride(shape))
 
     def arena(self) -> torch.Tensor:
         """The whole arena as a 1-D uint8 tensor (mapped on first use, then cached)."""
         if self._arena is None:
             self._arena = _attach(self.arena_handle)
+            self._storage = self._arena.untyped_storage()
         return self._arena
 
     # ----- transport -----------------------------------------------------------------------------

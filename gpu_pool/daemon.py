@@ -20,13 +20,16 @@ import os
 import signal
 import socket
 import sys
+from collections import OrderedDict
 from typing import Any
+
+import xxhash
 
 from gpu_pool.arena import BaseArena
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, MessageTooLarge, PoolError, ProtocolError
 from gpu_pool.manifest import Manifest
-from gpu_pool.protocol import PROTOCOL_VERSION, decode_request, encode, error_reply, read_frame
+from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, decode_request, encode, error_reply, read_frame
 from gpu_pool.reuse_store import ReuseStore, StoreConfig
 
 log = logging.getLogger("ember.pool")
@@ -65,6 +68,8 @@ class PoolDaemon:
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
+        self._manifests = ManifestCache()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         """Bind the socket (replacing a stale one) and start accepting."""
@@ -103,11 +108,19 @@ class PoolDaemon:
             self._server = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)
+        # Closing the transports ends each handler at its next read, which releases its session.
+        for writer in self._connections.values():
+            writer.close()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
         self.arena.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session_id = f"s{next(self._session_ids)}-{os.getpid()}"
         self.store.open_session(session_id)
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
         try:
             while True:
                 try:
@@ -134,11 +147,20 @@ class PoolDaemon:
         except (ConnectionError, OSError):
             pass  # the peer went away mid-reply; the session is released below
         finally:
+            self._connections.pop(task, None)
             async with self._lock:
                 self.store.close_session(session_id)
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+    def _manifest(self, request: dict[str, Any]) -> Manifest:
+        encoded = request.get("manifest_bin")
+        if encoded is not None:
+            if not isinstance(encoded, bytes):
+                raise ProtocolError("acquire: 'manifest_bin' must be msgpack bytes")
+            return self._manifests.get(encoded)
+        return Manifest.from_dict(request.get("manifest"))
 
     async def _dispatch(self, session_id: str, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
@@ -154,7 +176,7 @@ class PoolDaemon:
             async with self._lock:
                 return {"stats": self.store.stats()}
         if op == "acquire":
-            manifest = Manifest.from_dict(request.get("manifest"))
+            manifest = self._manifest(request)
             async with self._lock:
                 result = await asyncio.to_thread(self.store.acquire, session_id, manifest)
             return {
@@ -194,6 +216,27 @@ class PoolDaemon:
             raise ProtocolError("evict: 'model_id' must be a string or absent")
         async with self._lock:
             return {"bytes_evicted": self.store.evict(model_id)}
+
+
+class ManifestCache:
+    """Parsed manifests by the xxh3 of their encoding: a worker fleet sends the same few
+    manifests over and over, and validating ~300 entries costs ~1 ms."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, Manifest] = OrderedDict()
+
+    def get(self, encoded: bytes) -> Manifest:
+        key = xxhash.xxh3_128_hexdigest(encoded)
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+            return hit
+        manifest = Manifest.from_dict(decode_reply(encoded))
+        self._items[key] = manifest
+        if len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return manifest
 
 
 def _int_field(request: dict[str, Any], name: str) -> int:

@@ -105,7 +105,7 @@ def require_cupy() -> Any:
         import cupy
     except Exception as exc:  # ImportError, or a CUDA library CuPy needs failing to load
         raise BackendUnavailable(
-            f"the CUDA backend needs CuPy (install the 'cuda' extra: cupy-cuda12x); importing it failed: {exc}"
+            f"the CUDA backend needs CuPy (the 'cuda' extra: cupy-cuda12x); importing it failed: {exc}"
         ) from exc
     return cupy
 

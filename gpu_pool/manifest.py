@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from gpu_pool.errors import ManifestError
 
 MANIFEST_VERSION = 1
@@ -112,6 +114,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     latency_sensitivity: float = 1.0  # Tangram alpha_m, from the function spec
     _by_name: dict[str, TensorEntry] = field(init=False, repr=False, compare=False)
+    _encoded: list[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -122,6 +125,7 @@ class Manifest:
         if len(by_name) != len(self.tensors):
             raise ManifestError(f"manifest {self.model_id!r} has duplicate tensor names")
         object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "_encoded", [])
 
     def __getitem__(self, name: str) -> TensorEntry:
         return self._by_name[name]
@@ -139,6 +143,12 @@ class Manifest:
             "latency_sensitivity": self.latency_sensitivity,
             "tensors": [t.to_dict() for t in self.tensors],
         }
+
+    def encoded(self) -> bytes:
+        """The msgpack encoding of :meth:`to_dict`, computed once (the acquire hot path sends it)."""
+        if not self._encoded:
+            self._encoded.append(msgpack.packb(self.to_dict(), use_bin_type=True))
+        return self._encoded[0]
 
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:
