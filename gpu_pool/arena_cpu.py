@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,8 @@ class CpuArena(BaseArena):
                         except OSError as exc:
                             raise LoadError(f"cannot open store file {job.file}: {exc.strerror}") from None
             futures = [self._pool.submit(self._run_group, group, fds) for group in groups]
+            # Wait for every group before the descriptors close, then raise the first failure.
+            wait(futures)
             for f in futures:
                 f.result()
         finally:

@@ -92,13 +92,14 @@ class CudaArena(BaseArena):
             # cudaMalloc hands out whatever the memory held before; a pool promises zeros.
             cp.cuda.runtime.memsetAsync(self._base, 0, capacity, self._stream.ptr)
             try:
+                # NVRTC compiles synchronously inside the launch call, so failures surface here.
                 kernels.warm_up(self._stream)
-                self._stream.synchronize()
             except Exception as exc:
                 raise BackendUnavailable(
                     f"cannot compile the CUDA move kernel on {self.device} (CuPy needs NVRTC, "
                     f"e.g. the nvidia-cuda-nvrtc-cu12 package): {exc}"
                 ) from exc
+            self._stream.synchronize()
             self._ipc_handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self._base))
         self._cache = PinnedHostCache(host_cache_bytes)
         # Serializes move/read: they share self._stream and the one scratch buffer, and two
