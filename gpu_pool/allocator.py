@@ -112,45 +112,50 @@ class _Slot:
 
 @dataclass(slots=True)
 class _Layout:
-    """Mutable copy of the region list the planner evicts from."""
+    """Mutable copy of the region list the planner evicts from.
+
+    ``free`` (total free bytes) and ``movable`` (key -> size of inactive tensors) are kept
+    up to date so Stage 1 can pick its victims without rescanning the list.
+    """
 
     slots: list[_Slot]
-    index: dict[str, int] = field(default_factory=dict)
+    free: int = 0
+    movable: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_regions(cls, regions: Sequence[Region]) -> _Layout:
         slots: list[_Slot] = []
+        free = 0
+        movable: dict[str, int] = {}
         for r in regions:
             if r.kind is RegionKind.FREE:
                 kind = _FREE
+                free += r.size
             elif r.kind is RegionKind.TENSOR and r.movable:
                 kind = _MOVABLE
+                movable[str(r.key)] = r.size
             else:
                 kind = _FIXED
             if kind == _FREE and slots and slots[-1].kind == _FREE:
                 slots[-1].size += r.size  # keep free regions maximal
             else:
                 slots.append(_Slot(r.offset, r.size, kind, r.key))
-        return cls(slots)
+        return cls(slots, free, movable)
 
-    def free_total(self) -> int:
-        return sum(s.size for s in self.slots if s.kind == _FREE)
-
-    def evict(self, key: str) -> int:
-        """Turn the movable tensor ``key`` into free space, merging neighbours. Returns its size."""
-        i = next((j for j, s in enumerate(self.slots) if s.key == key and s.kind == _MOVABLE), None)
-        if i is None:
-            return 0
-        slot = self.slots[i]
-        size = slot.size
-        slot.kind, slot.key = _FREE, None
-        if i + 1 < len(self.slots) and self.slots[i + 1].kind == _FREE:
-            slot.size += self.slots[i + 1].size
-            del self.slots[i + 1]
-        if i > 0 and self.slots[i - 1].kind == _FREE:
-            self.slots[i - 1].size += slot.size
-            del self.slots[i]
-        return size
+    def evict_many(self, keys: Sequence[str]) -> None:
+        """Turn the movable tensors ``keys`` into free space in one pass, merging neighbours."""
+        victims = set(keys)
+        merged: list[_Slot] = []
+        for s in self.slots:
+            if s.kind == _MOVABLE and s.key in victims:
+                del self.movable[s.key]
+                self.free += s.size
+                s.kind, s.key = _FREE, None
+            if s.kind == _FREE and merged and merged[-1].kind == _FREE:
+                merged[-1].size += s.size
+            else:
+                merged.append(s)
+        self.slots = merged
 
     def free_regions(self) -> list[tuple[int, int]]:
         return [(s.offset, s.size) for s in self.slots if s.kind == _FREE]
@@ -171,36 +176,41 @@ def plan(
     if not requests:
         return Plan({})
     layout = _Layout.from_regions(regions)
+    sizes = dict(layout.movable)
     need = sum(r.size for r in requests)
     evicted: list[str] = []
-    bytes_evicted = 0
     order = iter(eviction_order)
 
-    def evict_next() -> bool:
-        nonlocal bytes_evicted
+    def take_victims(min_free: int) -> bool:
+        """Evict the next tensors of ``order`` (at least one) until free bytes >= ``min_free``."""
+        batch: dict[str, None] = {}  # ordered set: duplicate keys in ``order`` count once
+        free = layout.free
         for key in order:
-            size = layout.evict(key)
-            if size:
-                evicted.append(key)
-                bytes_evicted += size
-                return True
-        return False
+            size = layout.movable.get(key)
+            if size is None or key in batch:
+                continue
+            batch[key] = None
+            free += size
+            if free >= min_free:
+                break
+        layout.evict_many(list(batch))
+        evicted.extend(batch)
+        return bool(batch) and free >= min_free
 
     direct = place_direct(layout.free_regions(), requests)
     if direct is not None:
         return Plan(direct)
-    while layout.free_total() < need:
-        if not evict_next():
-            raise _oom(layout, requests, eviction_order)
+    if layout.free < need and not take_victims(need):
+        raise _oom(layout, requests, eviction_order)
     while True:
         direct = place_direct(layout.free_regions(), requests)
         if direct is not None:
-            return Plan(direct, tuple(evicted), (), bytes_evicted)
+            return Plan(direct, tuple(evicted), (), sum(sizes[k] for k in evicted))
         segments = _segments(layout.slots)
         assignment = _distribute(requests, [seg_free for _, _, seg_free in segments])
         if assignment is not None:
             break
-        if not evict_next():
+        if not take_victims(0):
             raise _oom(layout, requests, eviction_order)
 
     placements: dict[str, int] = {}
@@ -212,7 +222,7 @@ def plan(
         elif assigned:
             for sub_lo, sub_hi, sub_tensors in _partitioned_gain_packing(layout.slots, lo, hi, assigned):
                 _place_subspace(layout.slots, sub_lo, sub_hi, sub_tensors, placements, moves)
-    return Plan(placements, tuple(evicted), tuple(moves), bytes_evicted)
+    return Plan(placements, tuple(evicted), tuple(moves), sum(sizes[k] for k in evicted))
 
 
 def place_direct(free: Sequence[tuple[int, int]], requests: Sequence[TensorRequest]) -> dict[str, int] | None:
@@ -250,8 +260,7 @@ def full_compaction_bytes(regions: Sequence[Region], evicted: Sequence[str] = ()
     The upper bound Stage 2 must respect (the "merge all" starting point of Alg. 1).
     """
     layout = _Layout.from_regions(regions)
-    for key in evicted:
-        layout.evict(key)
+    layout.evict_many(evicted)
     moved = 0
     for lo, hi, _ in _segments(layout.slots):
         cursor = layout.slots[lo].offset
@@ -265,7 +274,7 @@ def full_compaction_bytes(regions: Sequence[Region], evicted: Sequence[str] = ()
 
 def _oom(layout: _Layout, requests: Sequence[TensorRequest], order: Sequence[str]) -> OutOfMemory:
     need = sum(r.size for r in requests)
-    free = layout.free_total()
+    free = layout.free
     what = f"placing {len(requests)} tensors"
     if free >= need:
         what += " (free space is cut into pieces by pinned tensors and KV blocks, which never move)"
@@ -309,20 +318,22 @@ def _try_packing(
     tensors: list[TensorRequest], cap1: int, cap2: int
 ) -> tuple[list[TensorRequest], list[TensorRequest]] | None:
     """Alg. 1 TryPacking: each tensor (largest first) goes to the half with more room."""
-    t1: list[TensorRequest] = []
-    t2: list[TensorRequest] = []
+    first: list[bool] = []
     for t in tensors:
+        size = t.size
         if cap1 >= cap2:
-            if t.size > cap1:
+            if size > cap1:
                 return None
-            t1.append(t)
-            cap1 -= t.size
+            cap1 -= size
+            first.append(True)
         else:
-            if t.size > cap2:
+            if size > cap2:
                 return None
-            t2.append(t)
-            cap2 -= t.size
-    return t1, t2
+            cap2 -= size
+            first.append(False)
+    return [t for t, f in zip(tensors, first, strict=True) if f], [
+        t for t, f in zip(tensors, first, strict=True) if not f
+    ]
 
 
 def _partitioned_gain_packing(
@@ -336,6 +347,9 @@ def _partitioned_gain_packing(
     def free_between(a: int, b: int) -> int:
         return prefix[b - lo] - prefix[a - lo]
 
+    # Partition points of the whole segment, largest gain first; each subspace walks this
+    # one list and skips points outside itself (cheaper than sorting per subspace).
+    points = sorted((i for i in range(lo, hi) if slots[i].kind == _MOVABLE), key=lambda i: -slots[i].size)
     pending = [(lo, hi, sorted(tensors, key=lambda t: -t.size))]
     final: list[tuple[int, int, list[TensorRequest]]] = []
     while pending:
@@ -343,8 +357,9 @@ def _partitioned_gain_packing(
         if not ts:
             continue
         largest = ts[0].size
-        points = sorted((i for i in range(a, b) if slots[i].kind == _MOVABLE), key=lambda i: -slots[i].size)
         for p in points:
+            if not a <= p < b:
+                continue
             cap1, cap2 = free_between(a, p), free_between(p + 1, b)
             if largest > max(cap1, cap2):
                 continue
@@ -422,8 +437,9 @@ def plan_kv(
     order = iter(eviction_order)
     while sum(size // block_size for _, size in layout.free_regions()) < num_blocks:
         for key in order:
-            size = layout.evict(key)
+            size = layout.movable.get(key, 0)
             if size:
+                layout.evict_many([key])
                 evicted.append(key)
                 bytes_evicted += size
                 break
