@@ -381,13 +381,40 @@ def _place_subspace(
     placements: dict[str, int],
     moves: list[Move],
 ) -> None:
-    """Place a final subspace's tensors: without moves if best-fit can, else compact it."""
+    """Place a final subspace's tensors: without moves if best-fit can, else compact the
+    cheapest window of it that frees enough contiguous bytes.
+
+    The window is the run of regions with free bytes >= the tensors' total and the fewest
+    inactive-tensor bytes (two pointers: for each right end, the shortest feasible window
+    is the cheapest). Compacting a window moves a subset of what compacting the whole
+    subspace (or segment) would: a tensor moves only if free space precedes it inside it.
+    """
     free = [(s.offset, s.size) for s in slots[lo:hi] if s.kind == _FREE]
     direct = place_direct(free, tensors)
     if direct is not None:
         placements.update(direct)
         return
-    _compact_and_place(slots, lo, hi, tensors, placements, moves)
+    need = sum(t.size for t in tensors)
+    best: tuple[int, int, int] | None = None
+    left, free_w, moved_w = lo, 0, 0
+    for right in range(lo, hi):
+        s = slots[right]
+        if s.kind == _FREE:
+            free_w += s.size
+        else:
+            moved_w += s.size
+        while left < right:
+            first = slots[left]
+            first_free = first.size if first.kind == _FREE else 0
+            if free_w - first_free < need:
+                break
+            free_w -= first_free
+            moved_w -= first.size - first_free
+            left += 1
+        if free_w >= need and (best is None or moved_w < best[2]):
+            best = (left, right + 1, moved_w)
+    assert best is not None, "the subspace's free bytes cover its tensors"
+    _compact_and_place(slots, best[0], best[1], tensors, placements, moves)
 
 
 def _compact_and_place(

@@ -3,13 +3,14 @@
 Pure Python. Each policy turns the evictable (inactive, resident) tensors into an
 eviction order; the planner consumes that order only as far as it needs bytes.
 
-Minimal-Cost Eviction (Tangram §3.2.2, Eq. 2) evicts in ascending
+Minimal-Cost Eviction (Tangram §3.2.2, Eq. 2) prices each tensor at
 ``c_j = p_m * (s_j / b_m) * alpha_m``: the expected reload time the eviction causes,
-weighted by the model's latency sensitivity. ``p_m`` is the probability that model m is
-requested again within a horizon, from a Poisson model of its request rate
-(``1 - exp(-rate * horizon)``); the rate comes from a :class:`BaseRateEstimator`, the one
-component mCache's importance-aware utility will replace. A tensor shared by several
-models costs the sum over those models. LRU and random orders are the baselines.
+weighted by the model's latency sensitivity, and evicts cheapest per byte first.
+``p_m`` is the probability that model m is requested again within a horizon, from a
+Poisson model of its request rate (``1 - exp(-rate * horizon)``); the rate comes from a
+:class:`BaseRateEstimator`, the one component mCache's importance-aware utility will
+replace. A tensor shared by several models costs the sum over those models. LRU and
+random orders are the baselines.
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def eviction_order(
     """Keys of ``candidates`` in the order ``policy`` evicts them."""
     cands = list(candidates)
     if policy is EvictionPolicy.MCE:
-        # Ties (e.g. models never requested) fall back to least recently used.
-        cands.sort(key=lambda c: (eviction_cost(c, models), c.last_used, c.key))
+        # Greedy for "free >= need bytes at minimal total cost" orders by cost per byte,
+        # c_j / s_j = sum_m p_m * alpha_m / b_m: ordering by c_j itself would always evict
+        # the smallest tensors of every model first, scattering holes and partial models
+        # while freeing the same bytes at the same or higher total cost. Ties (same model,
+        # or models never requested) go least recently used first, then largest first.
+        cands.sort(key=lambda c: (eviction_cost(c, models) / c.size, c.last_used, -c.size, c.key))
     elif policy is EvictionPolicy.LRU:
         cands.sort(key=lambda c: (c.last_used, c.key))
     else:
