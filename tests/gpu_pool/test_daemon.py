@@ -244,49 +244,14 @@ def test_sigterm_removes_socket_and_arena_file(tmp_path: Path) -> None:
     assert not os.path.exists(pool.socket_path) and not os.path.exists(arena_path)
 
 
-def test_second_daemon_on_a_live_socket_is_refused(pool_process: PoolProcess) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpu_pool",
-            "--device",
-            "cpu",
-            "--arena",
-            "4MiB",
-            "--socket",
-            pool_process.socket_path,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 2 and "already serving" in out.stderr
-
-
-def test_refused_daemon_leaves_no_arena_file(pool_process: PoolProcess, tmp_path: Path) -> None:
+def test_second_daemon_on_a_live_socket_is_refused_and_leaves_no_arena_file(
+    pool_process: PoolProcess, tmp_path: Path
+) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpu_pool",
-            "--device",
-            "cpu",
-            "--arena",
-            "4MiB",
-            "--socket",
-            pool_process.socket_path,
-            "--shm-dir",
-            str(shm),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 2
+    cmd = [sys.executable, "-m", "gpu_pool", "--device", "cpu", "--arena", "4MiB"]
+    cmd += ["--socket", pool_process.socket_path, "--shm-dir", str(shm)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "already serving" in out.stderr
     assert list(shm.iterdir()) == []
     assert pool_process.alive()
