@@ -11,12 +11,14 @@ ReuseStore` runs on every acquire:
 
 The arena is built from chunks of real LLM manifests (Llama/Qwen/Phi-like shapes, fp16,
 256-byte aligned): runs of inactive tensors of ~14 models, free gaps left by evicted
-tensors (capped at 64 MiB), the pinned tensors of one active model and vLLM-style KV
-blocks near the top. Two requests are planned on it:
+tensors (each <= 64 MiB; neighbouring gaps merge), the pinned tensors of one active model
+(in three runs) and vLLM-style KV blocks near the top. With the default
+``--resident 1000`` the region list has ~1,500 regions; ``--resident 500`` gives ~1,000.
+Two requests are planned on it:
 
 * ``stage2``: the missing 20 layers of a Llama-2-7B-shaped model (180 tensors). The free
-  bytes cover it, but no free region holds it and best-fit fails on the 86 MiB MLP
-  weights, so Stage 2 (packing with moves) runs.
+  bytes cover it (x1.25), but no free region holds it and best-fit decreasing cannot place
+  its 86 MiB MLP weights in the holes, so Stage 2 (packing with moves) runs.
 * ``stage1``: the whole 7B model (291 tensors) cold, more than the free bytes, so Stage 1
   evicts in MCE order before Stage 2 runs.
 

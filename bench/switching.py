@@ -47,6 +47,12 @@ baselines are reported in ``oom_by_config``). Loads are compared as
 have loaded, so a baseline does not look cheaper by failing requests.
 ``bytes_reloaded`` subtracts the compulsory first loads (the same for every config).
 
+**Diagnostics.** For MCE+PGP, every plan that moves tensors is also planned with Global
+Merge on the same regions and eviction order; ``stage2_by_slack`` groups these events by
+slack = (free bytes after Stage 1 - bytes requested) / bytes requested and gives PGP's
+bytes moved against Global Merge's on identical inputs. (The headline ratio compares two
+trajectories, so Global Merge's compactions also change its later states.)
+
 Run: ``python -m bench.switching [--quick] [--requests N] [--models N] [--seed S] [--jobs J]``.
 """
 
@@ -67,11 +73,12 @@ from typing import Any
 
 import xxhash
 
-from gpu_pool.allocator import PackingPolicy
+from gpu_pool.allocator import PackingPolicy, Plan, TensorRequest, plan
 from gpu_pool.arena import BaseArena, CopyJob
 from gpu_pool.errors import OutOfMemory
 from gpu_pool.eviction import EvictionPolicy
 from gpu_pool.manifest import Manifest, TensorEntry
+from gpu_pool.regions import free_bytes
 from gpu_pool.reuse_store import ReuseStore, StoreConfig
 
 MiB = 1 << 20
@@ -92,7 +99,7 @@ CONFIGS: tuple[tuple[EvictionPolicy, PackingPolicy], ...] = (
     (EvictionPolicy.RANDOM, PackingPolicy.PGP),
 )
 
-for _name in ("_record_bandwidth", "_pool_bandwidth"):
+for _name in ("_record_bandwidth", "_pool_bandwidth", "_plan", "_eviction_order"):
     if not hasattr(ReuseStore, _name):  # pragma: no cover - guards the overrides below
         raise ImportError(f"ReuseStore.{_name} is gone; update bench.switching.SimulatedStore")
 
@@ -131,14 +138,72 @@ class AccountingArena(BaseArena):
         return None
 
 
+# Stage-2 events are grouped by the slack (free bytes after Stage 1 - need) / need.
+SLACK_BUCKETS: tuple[tuple[float, float], ...] = ((0.0, 0.05), (0.05, 0.5), (0.5, 2.0), (2.0, math.inf))
+
+
+@dataclass(slots=True)
+class Stage2Event:
+    """One plan that moved tensors, and what Global Merge would have moved on the same input."""
+
+    slack: float
+    moved: int
+    moved_global_merge: int
+
+
 class SimulatedStore(ReuseStore):
-    """A Reuse Store whose loads all take ``nbytes / SIM_BANDWIDTH`` seconds for Eq. 2's ``b_m``."""
+    """A Reuse Store whose loads all take ``nbytes / SIM_BANDWIDTH`` seconds for Eq. 2's ``b_m``.
+
+    With ``diagnose`` (deterministic eviction orders only), every plan that moves tensors is
+    re-planned with Global Merge on the same regions and order, and recorded with its slack.
+    """
+
+    def __init__(self, *args: Any, diagnose: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.diagnose = diagnose
+        self.stage2: list[Stage2Event] = []
+        self.diagnose_seconds = 0.0  # of the last plan, to keep it out of the planning time
 
     def _record_bandwidth(self, model_id: str, nbytes: int, seconds: float) -> None:
         super()._record_bandwidth(model_id, nbytes, nbytes / SIM_BANDWIDTH)
 
     def _pool_bandwidth(self) -> float:
         return SIM_BANDWIDTH
+
+    def _plan(self, requests: list[TensorRequest]) -> Plan:
+        self.diagnose_seconds = 0.0
+        if not (self.diagnose and requests):
+            return super()._plan(requests)
+        t0 = time.perf_counter()
+        regions, order = self.regions(), self._eviction_order()  # what super()._plan sees
+        self.diagnose_seconds = time.perf_counter() - t0
+        the_plan = super()._plan(requests)
+        t0 = time.perf_counter()
+        if the_plan.moves:
+            need = sum(r.size for r in requests)
+            free = free_bytes(regions) + the_plan.bytes_evicted
+            gm = plan(regions, requests, order, PackingPolicy.GLOBAL_MERGE)
+            self.stage2.append(Stage2Event((free - need) / need, the_plan.bytes_moved, gm.bytes_moved))
+        self.diagnose_seconds += time.perf_counter() - t0
+        return the_plan
+
+
+def slack_breakdown(events: Sequence[Stage2Event]) -> list[dict[str, Any]]:
+    """Bytes moved vs Global Merge on the same inputs, per slack bucket."""
+    out = []
+    for lo, hi in SLACK_BUCKETS:
+        sel = [e for e in events if lo <= e.slack < hi]
+        moved, gm = sum(e.moved for e in sel), sum(e.moved_global_merge for e in sel)
+        out.append(
+            {
+                "slack": f"[{lo:g},{hi:g})",
+                "events": len(sel),
+                "moved_mib": moved >> 20,
+                "global_merge_same_input_mib": gm >> 20,
+                "ratio": round(moved / gm, 3) if gm else None,
+            }
+        )
+    return out
 
 
 # ----- workload --------------------------------------------------------------------------------
@@ -338,9 +403,9 @@ def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -
     """Replay the workload through one store config; the config's figures."""
     now = [0.0]
     arena = AccountingArena(ARENA_BYTES)
-    store = SimulatedStore(
-        arena, StoreConfig(eviction=eviction, packing=packing, seed=work.seed), clock=lambda: now[0]
-    )
+    config = StoreConfig(eviction=eviction, packing=packing, seed=work.seed)
+    diagnose = eviction is EvictionPolicy.MCE and packing is PackingPolicy.PGP
+    store = SimulatedStore(arena, config, clock=lambda: now[0], diagnose=diagnose)
     kv: dict[int, list[tuple[int, ...]]] = {}  # request -> block ids per sequence
     failed: set[int] = set()
     acquires_with_moves = acquires_with_evictions = kv_evictions = oom_acquire = oom_kv = 0
@@ -385,7 +450,8 @@ def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -
                 }
                 bytes_unserved += sum(missing.values())
                 continue
-            plan_ms.append(res.plan_seconds * 1e3)
+            if res.bytes_loaded:
+                plan_ms.append((res.plan_seconds - store.diagnose_seconds) * 1e3)
             acquires_with_moves += res.bytes_moved > 0
             acquires_with_evictions += res.bytes_evicted > 0
             kv[i] = [() for _ in req.prompt_blocks]
@@ -403,6 +469,7 @@ def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -
     c = store.counters
     assert arena.bytes_moved == c["bytes_moved"] and arena.bytes_loaded == c["bytes_loaded"]
     plan_ms.sort()
+    extra = {"stage2_by_slack": slack_breakdown(store.stage2)} if diagnose else {}
     return {
         "config": f"{eviction.name}+{packing.name}",
         "bytes_moved": c["bytes_moved"],
@@ -421,10 +488,11 @@ def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -
         "oom_kv": oom_kv,
         "bytes_unserved": bytes_unserved,
         "max_sessions": max_sessions,
+        # Decision time (order + plan) of the acquires that loaded something.
         "plan_ms_median": round(statistics.median(plan_ms), 3) if plan_ms else 0.0,
         "plan_ms_p95": round(plan_ms[int(0.95 * (len(plan_ms) - 1))], 3) if plan_ms else 0.0,
         "wall_s": round(wall, 2),
-    }
+    } | extra
 
 
 def _run_config(args: tuple[int, int, int, EvictionPolicy, PackingPolicy]) -> dict[str, Any]:
