@@ -107,9 +107,10 @@ for _name in ("_record_bandwidth", "_pool_bandwidth", "_plan", "_eviction_order"
 class AccountingArena(BaseArena):
     """An arena of ``capacity`` bytes with no memory: moves and loads are checked and counted."""
 
-    def __init__(self, capacity: int = ARENA_BYTES) -> None:
+    def __init__(self, capacity: int = ARENA_BYTES, move_bandwidth: float = BaseArena.move_bandwidth) -> None:
         self.device = "accounting"
         self.capacity = capacity
+        self.move_bandwidth = move_bandwidth  # what the planner prices a move at
         self.bytes_moved = 0
         self.bytes_loaded = 0
         self.moves = 0
@@ -399,10 +400,12 @@ def make_workload(seed: int, n_models: int, n_requests: int) -> Workload:
     return Workload(seed, models, trace, schedule(trace, models))
 
 
-def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -> dict[str, Any]:
+def simulate(
+    work: Workload, eviction: EvictionPolicy, packing: PackingPolicy, move_bandwidth: float
+) -> dict[str, Any]:
     """Replay the workload through one store config; the config's figures."""
     now = [0.0]
-    arena = AccountingArena(ARENA_BYTES)
+    arena = AccountingArena(ARENA_BYTES, move_bandwidth)
     config = StoreConfig(eviction=eviction, packing=packing, seed=work.seed)
     diagnose = eviction is EvictionPolicy.MCE and packing is PackingPolicy.PGP
     store = SimulatedStore(arena, config, clock=lambda: now[0], diagnose=diagnose)
@@ -495,9 +498,9 @@ def simulate(work: Workload, eviction: EvictionPolicy, packing: PackingPolicy) -
     } | extra
 
 
-def _run_config(args: tuple[int, int, int, EvictionPolicy, PackingPolicy]) -> dict[str, Any]:
-    seed, n_models, n_requests, eviction, packing = args
-    return simulate(make_workload(seed, n_models, n_requests), eviction, packing)
+def _run_config(args: tuple[int, int, int, EvictionPolicy, PackingPolicy, float]) -> dict[str, Any]:
+    seed, n_models, n_requests, eviction, packing, move_bandwidth = args
+    return simulate(make_workload(seed, n_models, n_requests), eviction, packing, move_bandwidth)
 
 
 def describe(work: Workload) -> dict[str, Any]:
@@ -533,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests in the trace (default 600)")
     ap.add_argument("--models", type=int, default=16, help="models in the workload (>= 4)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--move-bandwidth",
+        type=float,
+        default=BaseArena.move_bandwidth,
+        help="in-arena copy bandwidth the planner prices moves at, bytes/s (CPU default 10e9; a GPU ~1e12)",
+    )
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="configs run in parallel")
     args = ap.parse_args(argv)
     n_requests = args.requests or (200 if args.quick else 600)
@@ -541,12 +550,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     work = make_workload(args.seed, args.models, n_requests)
-    jobs = [(args.seed, args.models, n_requests, e, p) for e, p in CONFIGS]
+    jobs = [(args.seed, args.models, n_requests, e, p, args.move_bandwidth) for e, p in CONFIGS]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             runs = list(pool.map(_run_config, jobs))
     else:
-        runs = [simulate(work, e, p) for e, p in CONFIGS]
+        runs = [simulate(work, e, p, args.move_bandwidth) for e, p in CONFIGS]
     info = describe(work)
     compulsory = info["compulsory_bytes"]
     by = {r.pop("config"): r for r in runs}
@@ -572,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "switching",
         "seed": args.seed,
+        "move_bandwidth": args.move_bandwidth,
         "arena_gib": ARENA_BYTES / GiB,
         "arena": "AccountingArena (counts bytes, copies none)",
         "workload": info,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpu_pool.errors import OutOfMemory
@@ -87,6 +87,23 @@ class Plan:
     @property
     def bytes_moved(self) -> int:
         return sum(m.size for m in self.moves)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeCosts:
+    """The two prices of Tangram's Eq. 1, in seconds, that let Stage 2 trade moves for evictions.
+
+    ``eviction`` maps an inactive tensor's key to c_j (Eq. 2: the expected reload time its
+    eviction causes); ``move_seconds_per_byte`` prices m_j (a move costs its bytes over the
+    device's in-arena copy bandwidth, paid now). Without them Stage 2 only moves.
+    """
+
+    eviction: Mapping[str, float]
+    move_seconds_per_byte: float
+
+    def __post_init__(self) -> None:
+        if not self.move_seconds_per_byte >= 0:
+            raise ValueError("move_seconds_per_byte must be >= 0")
 
 
 # Slot kinds of the planner's working layout.
@@ -166,12 +183,15 @@ def plan(
     requests: Sequence[TensorRequest],
     eviction_order: Sequence[str] = (),
     packing: PackingPolicy = PackingPolicy.PGP,
+    costs: MergeCosts | None = None,
 ) -> Plan:
     """Plan the placement of ``requests`` (in load order) into the arena ``regions``.
 
     ``eviction_order`` lists inactive tensor keys, cheapest to evict first; keys that are
-    not movable tensors of ``regions`` are ignored. Raises :class:`OutOfMemory` when the
-    request does not fit even after evicting every listed tensor.
+    not movable tensors of ``regions`` are ignored. With ``costs`` (PGP only), a final
+    subspace that needs merging may instead evict the cheapest window of inactive tensors
+    when that costs less than the moves (Eq. 1's evict-or-merge choice). Raises
+    :class:`OutOfMemory` when the request does not fit even after evicting every listed tensor.
     """
     if not requests:
         return Plan({})
@@ -221,7 +241,7 @@ def plan(
                 _compact_and_place(layout.slots, lo, hi, assigned, placements, moves)
         elif assigned:
             for sub_lo, sub_hi, sub_tensors in _partitioned_gain_packing(layout.slots, lo, hi, assigned):
-                _place_subspace(layout.slots, sub_lo, sub_hi, sub_tensors, placements, moves)
+                _place_subspace(layout.slots, sub_lo, sub_hi, sub_tensors, placements, moves, evicted, costs)
     return Plan(placements, tuple(evicted), tuple(moves), sum(sizes[k] for k in evicted))
 
 
@@ -380,14 +400,19 @@ def _place_subspace(
     tensors: list[TensorRequest],
     placements: dict[str, int],
     moves: list[Move],
+    evicted: list[str],
+    costs: MergeCosts | None,
 ) -> None:
-    """Place a final subspace's tensors: without moves if best-fit can, else compact the
-    cheapest window of it that frees enough contiguous bytes.
+    """Place a final subspace's tensors: without moves if best-fit can; else merge the
+    cheapest window of it, by moving or (with ``costs``, when cheaper) by evicting.
 
-    The window is the run of regions with free bytes >= the tensors' total and the fewest
-    inactive-tensor bytes (two pointers: for each right end, the shortest feasible window
-    is the cheapest). Compacting a window moves a subset of what compacting the whole
-    subspace (or segment) would: a tensor moves only if free space precedes it inside it.
+    Windows are runs of regions inside the subspace. The move window is the one with free
+    bytes >= the tensors' total and the fewest bytes actually moved by compacting it; the
+    eviction window the one whose free plus inactive bytes cover the total at the lowest
+    summed c_j. Both are found with two pointers (for each right end the shortest feasible
+    window is the cheapest, since costs are non-negative). Compacting a window moves a
+    subset of what compacting the whole segment would: a tensor moves only if free space
+    precedes it inside the window.
     """
     free = [(s.offset, s.size) for s in slots[lo:hi] if s.kind == _FREE]
     direct = place_direct(free, tensors)
@@ -395,26 +420,83 @@ def _place_subspace(
         placements.update(direct)
         return
     need = sum(t.size for t in tensors)
-    best: tuple[int, int, int] | None = None
-    left, free_w, moved_w = lo, 0, 0
-    for right in range(lo, hi):
-        s = slots[right]
+    move_window = _cheapest_window(slots, lo, hi, need, lambda s: float(s.size), count_tensors_as_space=False)
+    assert move_window is not None, "the subspace's free bytes cover its tensors"
+    a, b = move_window
+    if costs is not None:
+        evict_window = _cheapest_window(
+            slots, lo, hi, need, lambda s: costs.eviction.get(str(s.key), 0.0), count_tensors_as_space=True
+        )
+        move_seconds = _compaction_bytes(slots, a, b) * costs.move_seconds_per_byte
+        if evict_window is not None:
+            ea, eb = evict_window
+            evict_seconds = sum(
+                costs.eviction.get(str(s.key), 0.0) for s in slots[ea:eb] if s.kind == _MOVABLE
+            )
+            if evict_seconds < move_seconds:
+                for s in slots[ea:eb]:
+                    if s.kind == _MOVABLE:
+                        assert s.key is not None
+                        evicted.append(s.key)
+                        s.kind, s.key = _FREE, None
+                cursor = slots[ea].offset
+                for t in tensors:
+                    placements[t.key] = cursor
+                    cursor += t.size
+                assert cursor <= slots[eb - 1].offset + slots[eb - 1].size
+                return
+    _compact_and_place(slots, a, b, tensors, placements, moves)
+
+
+def _cheapest_window(
+    slots: list[_Slot],
+    lo: int,
+    hi: int,
+    need: int,
+    tensor_cost: Callable[[_Slot], float],
+    count_tensors_as_space: bool,
+) -> tuple[int, int] | None:
+    """The window ``[a, b)`` of ``slots[lo:hi]`` whose space covers ``need`` at the lowest cost.
+
+    Space is the free bytes, plus the inactive tensors' bytes when they would be evicted.
+    Cost is ``tensor_cost`` summed over the inactive tensors in the window (their bytes for
+    a move window, their c_j for an eviction window).
+    """
+    best: tuple[int, int] | None = None
+    best_cost = 0.0
+    left, space, cost = lo, 0, 0.0
+
+    def weigh(s: _Slot) -> tuple[int, float]:
         if s.kind == _FREE:
-            free_w += s.size
-        else:
-            moved_w += s.size
+            return s.size, 0.0
+        return (s.size if count_tensors_as_space else 0), tensor_cost(s)
+
+    for right in range(lo, hi):
+        add_space, add_cost = weigh(slots[right])
+        space += add_space
+        cost += add_cost
         while left < right:
-            first = slots[left]
-            first_free = first.size if first.kind == _FREE else 0
-            if free_w - first_free < need:
+            drop_space, drop_cost = weigh(slots[left])
+            if space - drop_space < need:
                 break
-            free_w -= first_free
-            moved_w -= first.size - first_free
+            space -= drop_space
+            cost -= drop_cost
             left += 1
-        if free_w >= need and (best is None or moved_w < best[2]):
-            best = (left, right + 1, moved_w)
-    assert best is not None, "the subspace's free bytes cover its tensors"
-    _compact_and_place(slots, best[0], best[1], tensors, placements, moves)
+        if space >= need and (best is None or cost < best_cost):
+            best, best_cost = (left, right + 1), cost
+    return best
+
+
+def _compaction_bytes(slots: list[_Slot], lo: int, hi: int) -> int:
+    """Bytes that sliding the inactive tensors of ``[lo, hi)`` to its low end moves."""
+    cursor = slots[lo].offset
+    moved = 0
+    for s in slots[lo:hi]:
+        if s.kind == _MOVABLE:
+            if s.offset != cursor:
+                moved += s.size
+            cursor += s.size
+    return moved
 
 
 def _compact_and_place(

@@ -29,6 +29,9 @@ class BaseArena(ABC):
 
     device: str
     capacity: int
+    # Nominal in-arena copy bandwidth (bytes/s): what the planner prices a move at. Host
+    # memcpy here measures ~10 GB/s; a GPU backend overrides it (HBM copies are ~100x that).
+    move_bandwidth: float = 10e9
 
     @abstractmethod
     def handle(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import enum
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -105,48 +105,29 @@ class BaseRateEstimator(ABC):
         return 1.0 - math.exp(-self.rate(model_id, now) * horizon_s)
 
 
-@dataclass(slots=True)
-class _Arrivals:
-    last: float
-    mean_gap: float | None = None
-
-
 @dataclass
-class EwmaRateEstimator(BaseRateEstimator):
-    """Rate = 1 / EWMA of inter-arrival gaps, decayed by the time since the last arrival.
+class DecayedCountRateEstimator(BaseRateEstimator):
+    """Rate = exponentially decayed request count / time constant.
 
-    ``smoothing`` is the weight of the newest gap; ``first_gap_s`` stands in for the gap
-    of a model seen only once.
+    Every request adds 1 to a per-model score that decays as ``exp(-dt / time_constant_s)``;
+    ``score / time_constant_s`` is an unbiased rate estimate for steady Poisson arrivals and,
+    unlike an EWMA of gaps, is not thrown off by one short or long gap. A model idle for many
+    time constants fades to zero.
     """
 
-    smoothing: float = 0.3
-    first_gap_s: float = 60.0
-    _models: dict[str, _Arrivals] = field(default_factory=dict)
+    time_constant_s: float = 600.0
+    _scores: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> (score, at)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ValueError("smoothing must be in (0, 1]")
-        if not self.first_gap_s > 0:
-            raise ValueError("first_gap_s must be > 0")
+        if not self.time_constant_s > 0:
+            raise ValueError("time_constant_s must be > 0")
+
+    def _score(self, model_id: str, now: float) -> float:
+        score, at = self._scores.get(model_id, (0.0, now))
+        return score * math.exp(-max(now - at, 0.0) / self.time_constant_s)
 
     def observe(self, model_id: str, now: float) -> None:
-        a = self._models.get(model_id)
-        if a is None:
-            self._models[model_id] = _Arrivals(last=now)
-            return
-        gap = max(now - a.last, 1e-6)
-        a.mean_gap = gap if a.mean_gap is None else self.smoothing * gap + (1 - self.smoothing) * a.mean_gap
-        a.last = now
+        self._scores[model_id] = (self._score(model_id, now) + 1.0, now)
 
     def rate(self, model_id: str, now: float) -> float:
-        a = self._models.get(model_id)
-        if a is None:
-            return 0.0
-        gap = a.mean_gap if a.mean_gap is not None else self.first_gap_s
-        # A model silent for longer than its usual gap is cooling down: use the silence.
-        return 1.0 / max(gap, now - a.last, 1e-6)
-
-    def forget(self, model_ids: Sequence[str]) -> None:
-        """Drop the history of models that are no longer known to the pool."""
-        for m in model_ids:
-            self._models.pop(m, None)
+        return self._score(model_id, now) / self.time_constant_s

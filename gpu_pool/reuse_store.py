@@ -15,15 +15,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_pool.allocator import PackingPolicy, Plan, TensorRequest, plan, plan_kv
+from gpu_pool.allocator import MergeCosts, PackingPolicy, Plan, TensorRequest, plan, plan_kv
 from gpu_pool.arena import BaseArena, CopyJob
 from gpu_pool.errors import ConfigError, LoadError, ManifestError, SessionError
 from gpu_pool.eviction import (
     BaseRateEstimator,
+    DecayedCountRateEstimator,
     EvictionCandidate,
     EvictionPolicy,
-    EwmaRateEstimator,
     ModelCostInputs,
+    eviction_cost,
     eviction_order,
 )
 from gpu_pool.fingerprint import fingerprint
@@ -128,7 +129,7 @@ class ReuseStore:
         self.config = config or StoreConfig()
         if arena.capacity % self.config.alignment:
             raise ConfigError(f"arena capacity must be a multiple of {self.config.alignment} bytes")
-        self.rates = rates or EwmaRateEstimator()
+        self.rates = rates or DecayedCountRateEstimator()
         self.clock = clock
         self.tensors: dict[str, TensorRecord] = {}
         self.kv_blocks: dict[int, KVBlock] = {}
@@ -397,6 +398,10 @@ class ReuseStore:
             del session.pins[key]
 
     def _eviction_order(self) -> list[str]:
+        return self._eviction_inputs()[0]
+
+    def _eviction_inputs(self) -> tuple[list[str], MergeCosts | None]:
+        """The Stage 1 order and, under MCE, the prices Stage 2 weighs evictions against moves with."""
         now = self.clock()
         candidates = [
             EvictionCandidate(t.key, t.size, tuple(sorted(t.models)), t.last_used)
@@ -404,6 +409,7 @@ class ReuseStore:
             if not t.pins
         ]
         inputs = {}
+        costs = None
         if self.config.eviction is EvictionPolicy.MCE:
             pool_bw = self._pool_bandwidth()
             for m in self.models.values():
@@ -412,12 +418,16 @@ class ReuseStore:
                     m.bandwidth or pool_bw,
                     m.latency_sensitivity,
                 )
-        return eviction_order(self.config.eviction, candidates, inputs, self._rng)
+            costs = MergeCosts(
+                {c.key: eviction_cost(c, inputs) for c in candidates}, 1.0 / self.arena.move_bandwidth
+            )
+        return eviction_order(self.config.eviction, candidates, inputs, self._rng), costs
 
     def _plan(self, requests: list[TensorRequest]) -> Plan:
         if not requests:
             return Plan({})
-        return plan(self.regions(), requests, self._eviction_order(), self.config.packing)
+        order, costs = self._eviction_inputs()
+        return plan(self.regions(), requests, order, self.config.packing, costs)
 
     def _apply_evictions_and_moves(self, the_plan: Plan) -> None:
         for key in the_plan.evictions:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_pool.allocator import (
+    MergeCosts,
     PackingPolicy,
     TensorRequest,
     full_compaction_bytes,
@@ -59,12 +60,15 @@ def naive_best_fit(free: list[tuple[int, int]], sizes: list[int]) -> bool:
 
 
 def check_plan_invariants(
-    regions: list[Region], requests: list[TensorRequest], packing: PackingPolicy
+    regions: list[Region],
+    requests: list[TensorRequest],
+    packing: PackingPolicy,
+    costs: MergeCosts | None = None,
 ) -> None:
     capacity = regions[-1].end
     order = [r.key for r in regions if r.movable]
     try:
-        p = plan(regions, requests, order[::-1], packing)
+        p = plan(regions, requests, order[::-1], packing, costs)
     except OutOfMemory as exc:
         # Only allowed when even evicting every inactive tensor leaves too little room in
         # some arrangement: total free + evictable < need, or fixed regions cut the space.
@@ -111,6 +115,30 @@ def check_plan_invariants(
 @given(layouts(), requests_st)
 def test_pgp_plans_are_sound(regions: list[Region], requests: list[TensorRequest]) -> None:
     check_plan_invariants(regions, requests, PackingPolicy.PGP)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), requests_st, st.data(), st.floats(0, 1e-3))
+def test_cost_aware_pgp_plans_are_sound(
+    regions: list[Region], requests: list[TensorRequest], data: st.DataObject, move_price: float
+) -> None:
+    """With Eq. 1 prices, Stage 2 may evict a window instead of moving; invariants still hold."""
+    keys = [str(r.key) for r in regions if r.movable]
+    prices = data.draw(st.lists(st.floats(0, 1.0), min_size=len(keys), max_size=len(keys)))
+    check_plan_invariants(
+        regions, requests, PackingPolicy.PGP, MergeCosts(dict(zip(keys, prices, strict=True)), move_price)
+    )
+
+
+def test_cheap_evictions_replace_moves_and_dear_ones_do_not() -> None:
+    # free [0,2) | cold tensor [2,3) | free [3,5): a 4-unit tensor needs the 5-unit window.
+    regions = build_region_list(5 * UNIT, [Region(2 * UNIT, UNIT, RegionKind.TENSOR, "cold", movable=True)])
+    request = [TensorRequest("x", 4 * UNIT)]
+    moving = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1.0}, 1e-9))
+    assert moving.evictions == () and [m.key for m in moving.moves] == ["cold"]
+    evicting = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1e-9}, 1e-3))
+    assert evicting.evictions == ("cold",) and evicting.moves == ()
+    assert evicting.placements == {"x": 0} and evicting.bytes_evicted == UNIT
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,6 +14,7 @@ from gpu_pool.arena import CopyJob
 from gpu_pool.arena_cpu import CpuArena, remove_stale_arenas
 from gpu_pool.config import PoolConfig, parse_size
 from gpu_pool.errors import ConfigError, LoadError, ManifestError
+from gpu_pool.eviction import DecayedCountRateEstimator
 from gpu_pool.fingerprint import fingerprint
 from gpu_pool.loader import coalesce, group_copies
 from gpu_pool.manifest import Manifest
@@ -191,3 +192,15 @@ def test_stale_arena_files_of_dead_daemons_are_removed(tmp_path: Path) -> None:
     live.write_bytes(b"x")
     assert remove_stale_arenas(tmp_path) == [str(dead)]
     assert live.exists()
+
+
+def test_decayed_count_rate_tracks_steady_arrivals_and_fades() -> None:
+    est = DecayedCountRateEstimator(time_constant_s=100.0)
+    assert est.rate("m", 0.0) == 0.0
+    for i in range(2000):
+        est.observe("m", i * 2.0)  # one request every 2 s
+    assert est.rate("m", 4000.0) == pytest.approx(0.5, rel=0.05)
+    assert est.rate("m", 4000.0 + 1000.0) < 0.5 * 1e-4
+    assert 0.0 < est.miss_probability("m", 4000.0, 60.0) < 1.0
+    with pytest.raises(ValueError):
+        DecayedCountRateEstimator(time_constant_s=0)
