@@ -106,6 +106,9 @@ class MergeCosts:
             raise ValueError("move_seconds_per_byte must be >= 0")
 
 
+# Failed TryPacking attempts after which a subspace stops looking for a partition point.
+MAX_SPLIT_TRIES = 16
+
 # Slot kinds of the planner's working layout.
 _FREE, _MOVABLE, _FIXED = 0, 1, 2
 
@@ -367,26 +370,30 @@ def _partitioned_gain_packing(
     def free_between(a: int, b: int) -> int:
         return prefix[b - lo] - prefix[a - lo]
 
-    # Partition points of the whole segment, largest gain first; each subspace walks this
-    # one list and skips points outside itself (cheaper than sorting per subspace).
+    # Partition points, largest gain first. Each subspace carries the points inside it, so
+    # a split hands each half its share without re-sorting; a subspace tries at most
+    # MAX_SPLIT_TRIES packings (the gains further down the list are the smallest).
     points = sorted((i for i in range(lo, hi) if slots[i].kind == _MOVABLE), key=lambda i: -slots[i].size)
-    pending = [(lo, hi, sorted(tensors, key=lambda t: -t.size))]
+    pending = [(lo, hi, sorted(tensors, key=lambda t: -t.size), points)]
     final: list[tuple[int, int, list[TensorRequest]]] = []
     while pending:
-        a, b, ts = pending.pop()
+        a, b, ts, cands = pending.pop()
         if not ts:
             continue
         largest = ts[0].size
-        for p in points:
-            if not a <= p < b:
-                continue
+        tries = 0
+        for p in cands:
             cap1, cap2 = free_between(a, p), free_between(p + 1, b)
             if largest > max(cap1, cap2):
                 continue
             halves = _try_packing(ts, cap1, cap2)
             if halves is not None:
-                pending.append((a, p, halves[0]))
-                pending.append((p + 1, b, halves[1]))
+                pending.append((a, p, halves[0], [q for q in cands if q < p]))
+                pending.append((p + 1, b, halves[1], [q for q in cands if q > p]))
+                break
+            tries += 1
+            if tries >= MAX_SPLIT_TRIES:
+                final.append((a, b, ts))
                 break
         else:
             final.append((a, b, ts))
