@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -363,40 +364,46 @@ def _partitioned_gain_packing(
     slots: list[_Slot], lo: int, hi: int, tensors: list[TensorRequest]
 ) -> list[tuple[int, int, list[TensorRequest]]]:
     """Alg. 1 on one segment: final subspaces ``[lo, hi)`` with the tensors each must hold."""
-    prefix = [0]
-    for s in slots[lo:hi]:
-        prefix.append(prefix[-1] + (s.size if s.kind == _FREE else 0))
-
-    def free_between(a: int, b: int) -> int:
-        return prefix[b - lo] - prefix[a - lo]
-
-    # Partition points, largest gain first. Each subspace carries the points inside it, so
-    # a split hands each half its share without re-sorting; a subspace tries at most
-    # MAX_SPLIT_TRIES packings (the gains further down the list are the smallest).
-    points = sorted((i for i in range(lo, hi) if slots[i].kind == _MOVABLE), key=lambda i: -slots[i].size)
-    pending = [(lo, hi, sorted(tensors, key=lambda t: -t.size), points)]
+    # prefix[i - lo]: free bytes of slots[lo:i]. A partition point p is an inactive tensor,
+    # so the halves of [a, b) split at p hold prefix[p] - prefix[a] and prefix[b] - prefix[p].
+    prefix = [0, *itertools.accumulate(s.size if s.kind == _FREE else 0 for s in slots[lo:hi])]
+    size_at = [s.size for s in slots[lo:hi]]
+    # Each subspace carries its partition points in address order: a split hands each half
+    # a slice (found by bisection). Points are tried largest gain first, at most
+    # MAX_SPLIT_TRIES failed packings per subspace (gains further down are the smallest).
+    points = [i - lo for i in range(lo, hi) if slots[i].kind == _MOVABLE]
+    pending = [(0, hi - lo, sorted(tensors, key=lambda t: -t.size), points)]
     final: list[tuple[int, int, list[TensorRequest]]] = []
     while pending:
         a, b, ts, cands = pending.pop()
         if not ts:
             continue
-        largest = ts[0].size
+        # Tensors larger than the smaller half must all fit the larger one: a necessary
+        # condition checked in O(log n) before the O(n) TryPacking (most attempts fail it).
+        neg_sizes = [-t.size for t in ts]  # ascending
+        sizes_prefix = list(itertools.accumulate(-n for n in neg_sizes))
+        fa, fb = prefix[a], prefix[b]
         tries = 0
-        for p in cands:
-            cap1, cap2 = free_between(a, p), free_between(p + 1, b)
-            if largest > max(cap1, cap2):
+        split = False
+        for p in sorted(cands, key=size_at.__getitem__, reverse=True):
+            fp = prefix[p]
+            cap1, cap2 = fp - fa, fb - fp
+            small, big = (cap1, cap2) if cap1 <= cap2 else (cap2, cap1)
+            forced = bisect.bisect_left(neg_sizes, -small)  # tensors that fit only the larger half
+            if forced and sizes_prefix[forced - 1] > big:
                 continue
             halves = _try_packing(ts, cap1, cap2)
             if halves is not None:
-                pending.append((a, p, halves[0], [q for q in cands if q < p]))
-                pending.append((p + 1, b, halves[1], [q for q in cands if q > p]))
+                k = bisect.bisect_left(cands, p)
+                pending.append((a, p, halves[0], cands[:k]))
+                pending.append((p + 1, b, halves[1], cands[k + 1 :]))
+                split = True
                 break
             tries += 1
             if tries >= MAX_SPLIT_TRIES:
-                final.append((a, b, ts))
                 break
-        else:
-            final.append((a, b, ts))
+        if not split:
+            final.append((a + lo, b + lo, ts))
     return final
 
 
@@ -469,28 +476,21 @@ def _cheapest_window(
     Cost is ``tensor_cost`` summed over the inactive tensors in the window (their bytes for
     a move window, their c_j for an eviction window).
     """
+    window = slots[lo:hi]
+    spaces = [s.size if s.kind == _FREE or count_tensors_as_space else 0 for s in window]
+    costs = [0.0 if s.kind == _FREE else tensor_cost(s) for s in window]
     best: tuple[int, int] | None = None
     best_cost = 0.0
-    left, space, cost = lo, 0, 0.0
-
-    def weigh(s: _Slot) -> tuple[int, float]:
-        if s.kind == _FREE:
-            return s.size, 0.0
-        return (s.size if count_tensors_as_space else 0), tensor_cost(s)
-
-    for right in range(lo, hi):
-        add_space, add_cost = weigh(slots[right])
-        space += add_space
-        cost += add_cost
-        while left < right:
-            drop_space, drop_cost = weigh(slots[left])
-            if space - drop_space < need:
-                break
-            space -= drop_space
-            cost -= drop_cost
+    left, space, cost = 0, 0, 0.0
+    for right in range(len(window)):
+        space += spaces[right]
+        cost += costs[right]
+        while left < right and space - spaces[left] >= need:
+            space -= spaces[left]
+            cost -= costs[left]
             left += 1
         if space >= need and (best is None or cost < best_cost):
-            best, best_cost = (left, right + 1), cost
+            best, best_cost = (lo + left, lo + right + 1), cost
     return best
 
 
