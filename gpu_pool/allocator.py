@@ -378,6 +378,12 @@ def _partitioned_gain_packing(
         a, b, ts, cands = pending.pop()
         if not ts:
             continue
+        if (
+            place_direct([(s.offset, s.size) for s in slots[lo + a : lo + b] if s.kind == _FREE], ts)
+            is not None
+        ):
+            final.append((a + lo, b + lo, ts))  # fits without moves: splitting further gains nothing
+            continue
         # Tensors larger than the smaller half must all fit the larger one: a necessary
         # condition checked in O(log n) before the O(n) TryPacking (most attempts fail it).
         neg_sizes = [-t.size for t in ts]  # ascending
