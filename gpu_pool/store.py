@@ -2,7 +2,8 @@
 
 A store entry is a directory holding ``tensors.safetensors`` (the bytes) and
 ``manifest.json`` (the versioned manifest with fingerprints and byte offsets into the
-safetensors file). :func:`write` builds one from named torch tensors; registration of real
+safetensors file, whose name is stored relative to the entry so the entry can be moved).
+:func:`write` builds one from named torch tensors; registration of real
 models and the tests both go through it. Writing is atomic: the entry appears complete
 under its final name or not at all.
 """
@@ -16,7 +17,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpu_pool.errors import ManifestError
 from gpu_pool.fingerprint import fingerprint
@@ -75,7 +76,7 @@ def write(
             recorded_path=final / TENSORS_FILE,
             order=list(tensors),
         )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest.to_dict(), indent=1))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(_relative(manifest.to_dict()), indent=1))
         _fsync_dir_tree(tmp)
         os.rename(tmp, final)
     except BaseException:
@@ -86,14 +87,26 @@ def write(
 
 def read(path: str | os.PathLike[str]) -> Manifest:
     """Read the manifest of the store entry at ``path``."""
-    file = Path(path) / MANIFEST_FILE
+    entry = Path(path).absolute()
+    file = entry / MANIFEST_FILE
     try:
         data = json.loads(file.read_text())
     except FileNotFoundError:
         raise ManifestError(f"no store entry at {path} (missing {MANIFEST_FILE})") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{file} is not valid JSON: {exc}") from None
+    # File names are stored relative to the entry, so an entry can be renamed or moved whole.
+    if isinstance(data, dict) and isinstance(data.get("tensors"), list):
+        for t in data["tensors"]:
+            if isinstance(t, dict) and isinstance(t.get("file"), str):
+                t["file"] = str(entry / t["file"])
     return Manifest.from_dict(data)
+
+
+def _relative(data: dict[str, Any]) -> dict[str, Any]:
+    for t in data["tensors"]:
+        t["file"] = Path(t["file"]).name
+    return data
 
 
 def verify(manifest: Manifest) -> list[str]:

@@ -1,5 +1,6 @@
 """What runs inside a function instance: the worker process, the pre-warmed process pool,
 the handler SDK, the inference engine, model loaders and tokenizers. Workers get their
-weights and KV blocks from ``gpu_pool.client``. Built by the inference-engine and serving
-issues on top of the pool.
+weights and KV blocks from ``gpu_pool.client``. Today it holds model registration
+(:mod:`runtime.registry`: GGUF, safetensors and ``pkg:`` sources into the model store);
+the engine and workers are built by the inference-engine and serving issues.
 """

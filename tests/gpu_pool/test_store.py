@@ -204,3 +204,11 @@ def test_decayed_count_rate_tracks_steady_arrivals_and_fades() -> None:
     assert 0.0 < est.miss_probability("m", 4000.0, 60.0) < 1.0
     with pytest.raises(ValueError):
         DecayedCountRateEstimator(time_constant_s=0)
+
+
+def test_store_entry_can_be_moved(tmp_path: Path) -> None:
+    m = store.write(tmp_path / "a" / "m", {"x": torch.arange(6, dtype=torch.float32)})
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = store.read(tmp_path / "b" / "m")
+    assert moved["x"].file == str(tmp_path / "b" / "m" / store.TENSORS_FILE)
+    assert moved["x"].fingerprint == m["x"].fingerprint and store.verify(moved) == []

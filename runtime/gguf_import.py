@@ -1,0 +1,218 @@
+"""GGUF → Hugging Face layout: weights, architecture config and tokenizer.
+
+Tensors are dequantized with the ``gguf`` package and renamed to Hugging Face names.
+llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` of ``llama`` models (it
+interleaves the two rotary halves of each head); :func:`reverse_permute` undoes that so the
+weights match the Hugging Face layout that ``transformers`` and our model code expect.
+The tokenizer (GPT-2-style byte-level BPE) is rebuilt from the GGUF vocabulary, merges and
+token types with ``tokenizers``; the chat template comes from the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import RegistrationError
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF per-layer tensor suffix -> Hugging Face suffix, in the order a forward pass reads them.
+_LAYER_NAMES = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+]
+_TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFModel:
+    """What registration needs from a GGUF file."""
+
+    architecture: str
+    config: dict[str, Any]  # Hugging Face config.json contents
+    tokenizer_json: str
+    tokenizer_config: dict[str, Any]
+    tensor_names: list[str]  # Hugging Face names, in access order
+    _reader: Any
+    _gguf_names: dict[str, str]  # HF name -> GGUF name
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Dequantized float32 tensors in Hugging Face layout, in access order."""
+        from gguf import quants
+
+        by_name = {t.name: t for t in self._reader.tensors}
+        heads = self.config["num_attention_heads"]
+        kv_heads = self.config["num_key_value_heads"]
+        for hf_name in self.tensor_names:
+            t = by_name[self._gguf_names[hf_name]]
+            array = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)  # writable copy
+            if self.architecture == "llama" and hf_name.endswith("q_proj.weight"):
+                array = reverse_permute(array, heads)
+            elif self.architecture == "llama" and hf_name.endswith("k_proj.weight"):
+                array = reverse_permute(array, kv_heads)
+            yield hf_name, array
+
+
+def reverse_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q/k projection (or bias).
+
+    llama.cpp stores each head's rows as (head_dim/2, 2) interleaved pairs; Hugging Face
+    keeps the two rotary halves contiguous: (2, head_dim/2).
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # (H, D/2, 2, ...)
+    return np.ascontiguousarray(w.swapaxes(1, 2)).reshape(weight.shape)  # (H, 2, D/2, ...) -> rows
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (the inverse of :func:`reverse_permute`), for tests."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, 2, half, *weight.shape[1:])  # (H, 2, D/2, ...)
+    return np.ascontiguousarray(w.swapaxes(1, 2)).reshape(weight.shape)
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """Parse a GGUF file's metadata and tensor index (tensor data is read lazily)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
+        raise RegistrationError(f"{path} is not a readable GGUF file: {exc}") from None
+    field: Callable[[str], Any] = lambda key: _field(reader, key)  # noqa: E731
+    arch = str(field("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise RegistrationError(f"{path}: architecture {arch!r} is not supported (supported: {supported})")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise RegistrationError(f"{path}: llama3-style rope_freqs in GGUF are not supported yet")
+    layers = int(field(f"{arch}.block_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    heads = int(field(f"{arch}.attention.head_count"))
+    tokens = _strings(reader, "tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field(f"{arch}.context_length")),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "hidden_act": "silu",
+    }
+    gguf_names = {"model.embed_tokens.weight": "token_embd.weight"}
+    for i in range(layers):
+        for g, h in _LAYER_NAMES:
+            if f"blk.{i}.{g}" in names:
+                gguf_names[f"model.layers.{i}.{h}"] = f"blk.{i}.{g}"
+    gguf_names["model.norm.weight"] = "output_norm.weight"
+    if "output.weight" in names:
+        gguf_names["lm_head.weight"] = "output.weight"
+    missing = [g for g in gguf_names.values() if g not in names]
+    if missing:
+        raise RegistrationError(f"{path}: tensors {missing[:4]} are missing")
+    unused = names - set(gguf_names.values())
+    if unused:
+        raise RegistrationError(f"{path}: tensors {sorted(unused)[:4]} have no Hugging Face counterpart here")
+    tokenizer_json, tokenizer_config = _tokenizer(reader, tokens)
+    return GGUFModel(arch, config, tokenizer_json, tokenizer_config, list(gguf_names), reader, gguf_names)
+
+
+def _tokenizer(reader: Any, tokens: list[str]) -> tuple[str, dict[str, Any]]:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    model = str(_field(reader, "tokenizer.ggml.model"))
+    if model != "gpt2":
+        raise RegistrationError(f"tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
+    types = _ints(reader, "tokenizer.ggml.token_type")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)), use_regex=True
+    )
+    if str(_field(reader, "tokenizer.ggml.pre", "default")) == "smollm":
+        # llama.cpp's "smollm" pre-tokenizer: every digit on its own, then GPT-2's regex.
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_TYPE_CONTROL
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        idx = _field(reader, key, None)
+        return tokens[int(idx)] if idx is not None else None
+
+    config = {
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template", None),
+    }
+    return tok.to_str(), config
+
+
+def _field(reader: Any, key: str, default: Any = ...) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise RegistrationError(f"GGUF metadata {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def _strings(reader: Any, key: str) -> list[str]:
+    f = reader.fields.get(key)
+    if f is None:
+        raise RegistrationError(f"GGUF metadata {key!r} is missing")
+    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+
+def _ints(reader: Any, key: str) -> list[int]:
+    f = reader.fields.get(key)
+    if f is None:
+        raise RegistrationError(f"GGUF metadata {key!r} is missing")
+    return [int(f.parts[i][0]) for i in f.data]
+
+
+def write_hf_metadata(model: GGUFModel, directory: Path) -> None:
+    """Write config.json, tokenizer.json and tokenizer_config.json into ``directory``."""
+    (directory / "config.json").write_text(json.dumps(model.config, indent=1))
+    (directory / "tokenizer.json").write_text(model.tokenizer_json)
+    (directory / "tokenizer_config.json").write_text(json.dumps(model.tokenizer_config, indent=1))

@@ -1,0 +1,200 @@
+"""Registration of models into the model store under ``EMBER_HOME``.
+
+``register(source, dtype)`` turns a GGUF file, a Hugging Face safetensors directory or a
+``pkg:`` resource into a registered model: a pool store entry (canonical safetensors in
+the requested dtype + manifest with fingerprints), ``config.json``, ``tokenizer.json`` and
+``tokenizer_config.json`` (with the chat template), and ``registration.json``.
+
+* Idempotent: a model is named by its source's content hash and dtype; registering the
+  same bytes again finds the existing entry.
+* Atomic: everything is built in a temporary directory beside the final one and renamed
+  into place last; a crash leaves at most a temporary directory, which the next
+  registration removes. A file lock serialises concurrent registrations of one model.
+* Offline: nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import RegistrationError
+from runtime.sources import ModelSource, SourceKind, resolve
+
+DTYPES = ("bfloat16", "float32")
+_STORE_DIR = "store"
+_RECORD = "registration.json"
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredModel:
+    """A model in the store: its id, directory, config and registration record."""
+
+    model_id: str
+    directory: Path
+    config: dict[str, Any]
+    record: dict[str, Any]
+
+    @property
+    def store_path(self) -> Path:
+        return self.directory / _STORE_DIR
+
+    def manifest(self) -> Any:
+        """The pool manifest (a :class:`gpu_pool.manifest.Manifest`)."""
+        from gpu_pool import store
+
+        return store.read(self.store_path)
+
+
+def ember_home() -> Path:
+    """``EMBER_HOME`` (default ``~/.ember``)."""
+    return Path(os.environ.get("EMBER_HOME") or Path.home() / ".ember").expanduser()
+
+
+def models_dir(home: Path | None = None) -> Path:
+    return (home or ember_home()) / "models"
+
+
+def register(
+    source: str, dtype: str = "bfloat16", home: Path | None = None, progress: bool = False
+) -> RegisteredModel:
+    """Register ``source`` in ``dtype`` (idempotent); returns the registered model."""
+    if dtype not in DTYPES:
+        raise RegistrationError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    src = resolve(source)
+    content_hash = src.content_hash()
+    model_id = f"{_slug(src)}-{content_hash[:12]}-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
+    root = models_dir(home)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / model_id
+    with _lock(root / f".lock-{model_id}"):
+        if (final / _RECORD).is_file():
+            return load(final)
+        _remove_stale_temporaries(root, model_id)
+        tmp = root / f"{_TMP_PREFIX}{model_id}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            start = time.perf_counter()
+            config = _build(src, dtype, tmp, model_id, progress)
+            record = {
+                "version": 1,
+                "model_id": model_id,
+                "source": src.text,
+                "source_kind": src.kind.value,
+                "source_path": str(src.path),
+                "content_hash": content_hash,
+                "dtype": dtype,
+                "architecture": config["architectures"][0],
+                "seconds": round(time.perf_counter() - start, 3),
+            }
+            (tmp / _RECORD).write_text(json.dumps(record, indent=1))
+            _fsync_tree(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return load(final)
+
+
+def load(directory: Path) -> RegisteredModel:
+    """Open a registered model's directory."""
+    try:
+        record = json.loads((directory / _RECORD).read_text())
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RegistrationError(f"{directory} is not a complete registered model: {exc}") from None
+    return RegisteredModel(record["model_id"], directory, config, record)
+
+
+def list_models(home: Path | None = None) -> list[RegisteredModel]:
+    """Every complete registered model."""
+    root = models_dir(home)
+    if not root.is_dir():
+        return []
+    return [load(d) for d in sorted(root.iterdir()) if (d / _RECORD).is_file()]
+
+
+def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: bool) -> dict[str, Any]:
+    import torch
+
+    from gpu_pool import store
+
+    torch_dtype = getattr(torch, dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    if src.kind is SourceKind.GGUF:
+        from runtime.gguf_import import read_gguf, write_hf_metadata
+
+        model = read_gguf(src.path)
+        for name, array in _progress(model.tensors(), len(model.tensor_names), progress, model_id):
+            tensors[name] = torch.from_numpy(array).to(torch_dtype)
+        write_hf_metadata(model, out)
+        config = dict(model.config)
+    else:
+        from safetensors.torch import load_file
+
+        config = json.loads((src.path / "config.json").read_text())
+        files = sorted(src.path.glob("*.safetensors"))
+        if not files:
+            raise RegistrationError(f"{src.path} has no *.safetensors files")
+        for file in _progress(iter(files), len(files), progress, model_id):
+            for name, t in load_file(str(file)).items():
+                tensors[name] = t.to(torch_dtype)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (src.path / name).is_file():
+                shutil.copyfile(src.path / name, out / name)
+        if not (out / "tokenizer.json").is_file():
+            raise RegistrationError(f"{src.path} has no tokenizer.json")
+    config["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    store.write(out / _STORE_DIR, tensors, model_id=model_id)
+    return config
+
+
+def _progress(items: Iterator[Any], total: int, enabled: bool, what: str) -> Iterator[Any]:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return iter(tqdm(items, total=total, desc=f"registering {what}", unit="tensor", leave=False))
+
+
+def _slug(src: ModelSource) -> str:
+    stem = src.path.stem if src.path.is_file() else src.path.name
+    return re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-")[:40] or "model"
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_stale_temporaries(root: Path, model_id: str) -> None:
+    """Half-built directories of this model left by a crashed or killed registration.
+
+    Safe under the model's lock: no live registration of this model is writing one.
+    """
+    for entry in root.glob(f"{_TMP_PREFIX}{model_id}-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
