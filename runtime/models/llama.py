@@ -1,0 +1,236 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) as plain functions over a weight table.
+
+gpt-fast style, but with no ``nn.Module`` at all: building modules, even on the meta
+device, costs ~80 ms for SmolLM2 (DESIGN.md, cold-start budget), while binding a dict of
+pool tensor views costs microseconds and copies nothing. Covered: grouped-query attention,
+RMSNorm, SwiGLU, RoPE (default and llama3 scaling), tied or untied embeddings, optional
+q/k/v bias (Qwen2).
+
+KV cache: paged. ``kv_blocks`` is one tensor of shape (num_blocks, L, 2, BS, H_kv, D):
+block b holds K and V of every layer for BS consecutive tokens of one sequence. It can be
+a view over the pool arena (blocks at offsets ``b * block_bytes``) or any tensor of that
+shape. A token's slot is ``block * BS + offset``; attention gathers a sequence's blocks
+through its block table (the CPU counterpart of Tangram's E-Attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the universal alias
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # llama3: factor, low/high_freq_factor, ...
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict (llama, qwen2)."""
+        heads = int(cfg["num_attention_heads"])
+        # transformers < 5 writes rope_theta + rope_scaling; 5 writes one rope_parameters dict.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("llama3", "default"):
+            raise ValueError(f"rope type {kind!r} is not supported")
+        scaling = tuple(sorted(rope.items())) if kind == "llama3" else None
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_scaling=scaling,
+        )
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of one KV block: (L, 2, BS, H_kv, D)."""
+        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        return math.prod(self.kv_block_shape(block_size)) * torch.empty((), dtype=dtype).element_size()
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,), float32, with llama3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if config.rope_scaling is None:
+        return inv
+    s = dict(config.rope_scaling)
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One forward pass over the new tokens of several sequences, flattened.
+
+    ``input_ids``/``positions``/``slots`` are (N,) for N new tokens in sequence order;
+    ``query_lens[i]`` new tokens of sequence i, whose whole context is ``context_lens[i]``
+    tokens (new ones included) held in blocks ``block_tables[i, :ceil(context/BS)]``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # (B, max_blocks) int64
+
+
+class LlamaModel:
+    """Forward pass of a Llama-family model bound to a weight table (no copies)."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = (
+                (w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"])
+                if config.attention_bias
+                else None
+            )
+            self.layers.append(
+                LayerWeights(
+                    w[p + "input_layernorm.weight"],
+                    (w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+                    bias,
+                    w[a + "o_proj.weight"],
+                    w[p + "post_attention_layernorm.weight"],
+                    w[p + "mlp.gate_proj.weight"],
+                    w[p + "mlp.up_proj.weight"],
+                    w[p + "mlp.down_proj.weight"],
+                )
+            )
+        self.dtype = self.embed.dtype
+        self.inv_freq = rope_inv_freq(config).to(self.embed.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of the last new token of each sequence: (B, vocab)."""
+        cfg = self.config
+        x = F.embedding(batch.input_ids, self.embed)  # (N, E)
+        cos, sin = self._rope(batch.positions)  # (N, 1, D)
+        block_size = kv_blocks.shape[3]
+        block_idx, block_off = batch.slots // block_size, batch.slots % block_size
+        for layer_id, lw in enumerate(self.layers):
+            h = _rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            q = F.linear(h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
+            k = F.linear(h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
+            v = F.linear(h, lw.qkv[2], lw.qkv_bias[2] if lw.qkv_bias else None)
+            q = _apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # (N, H, D)
+            k = _apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (N, Hkv, D)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (N, Hkv, D)
+            k_cache, v_cache = kv_blocks[:, layer_id, 0], kv_blocks[:, layer_id, 1]  # (NB, BS, Hkv, D)
+            k_cache[block_idx, block_off] = k.to(k_cache.dtype)
+            v_cache[block_idx, block_off] = v.to(v_cache.dtype)
+            attn = self._attention(q, k, v, k_cache, v_cache, batch)  # (N, H*D)
+            x = x + F.linear(attn, lw.o)
+            h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+            x = x + F.linear(F.silu(F.linear(h, lw.gate)) * F.linear(h, lw.up), lw.down)
+        last = torch.tensor([sum(batch.query_lens[: i + 1]) - 1 for i in range(len(batch.query_lens))])
+        x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: Batch,
+    ) -> torch.Tensor:
+        cfg = self.config
+        out = []
+        start = 0
+        for i, (qlen, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+            qi = q[start : start + qlen].transpose(0, 1)  # (H, Tq, D)
+            if qlen == ctx:  # whole context is new: attend to the fresh K/V, causally
+                ki = k[start : start + qlen].transpose(0, 1)  # (Hkv, T, D)
+                vi = v[start : start + qlen].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:  # new tokens at the end of a cached context: gather it from the blocks
+                nb = -(-ctx // k_cache.shape[1])
+                table = batch.block_tables[i, :nb]
+                ki = k_cache[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
+                vi = v_cache[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
+                # query j (absolute position ctx - qlen + j) sees keys 0..ctx - qlen + j
+                mask = torch.ones(qlen, ctx, dtype=torch.bool).tril(ctx - qlen)
+                o = F.scaled_dot_product_attention(
+                    qi, ki.to(qi.dtype), vi.to(qi.dtype), attn_mask=mask, enable_gqa=True
+                )
+            out.append(o.transpose(0, 1).reshape(qlen, cfg.num_heads * cfg.head_dim))  # (Tq, H*D)
+            start += qlen
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
