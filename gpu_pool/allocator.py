@@ -541,23 +541,40 @@ def _compact_and_place(
 
 
 def plan_kv(
-    regions: Sequence[Region], num_blocks: int, block_size: int, eviction_order: Sequence[str] = ()
+    regions: Sequence[Region],
+    num_blocks: int,
+    block_size: int,
+    eviction_order: Sequence[str] = (),
+    aligned: bool = False,
 ) -> KVPlan:
     """Carve ``num_blocks`` KV blocks of ``block_size`` bytes out of free regions.
 
     Blocks are cut from the high end of the highest free regions, so KV grows down from the
     top of the arena while tensors are placed best-fit from region starts: the two kinds
-    fragment each other less. When free space runs short this is the *urgent* path of
-    Tangram §3.3: inactive tensors are evicted in ``eviction_order`` (never moved, never a
-    pinned tensor) until the blocks fit.
+    fragment each other less. With ``aligned``, every block starts at a multiple of
+    ``block_size``, so ``offset // block_size`` is a physical block number and the engine
+    can view the arena as an array of blocks. When free space runs short this is the
+    *urgent* path of Tangram §3.3: inactive tensors are evicted in ``eviction_order`` (never
+    moved, never a pinned tensor) until the blocks fit.
     """
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError("num_blocks and block_size must be > 0")
+    unit = block_size if aligned else 1
+
+    def span(offset: int, size: int) -> tuple[int, int]:
+        """The aligned sub-range [start, end) of a free region that blocks may use."""
+        start = -(-offset // unit) * unit
+        end = (offset + size) // unit * unit
+        return start, max(start, end)
+
+    def capacity() -> int:
+        return sum((e - b) // block_size for b, e in (span(o, n) for o, n in layout.free_regions()))
+
     layout = _Layout.from_regions(regions)
     evicted: list[str] = []
     bytes_evicted = 0
     order = iter(eviction_order)
-    while sum(size // block_size for _, size in layout.free_regions()) < num_blocks:
+    while capacity() < num_blocks:
         for key in order:
             size = layout.movable.get(key, 0)
             if size:
@@ -569,12 +586,12 @@ def plan_kv(
             raise OutOfMemory(
                 f"allocating {num_blocks} KV blocks of {block_size} bytes",
                 num_blocks * block_size,
-                sum(size // block_size for _, size in layout.free_regions()) * block_size,
+                capacity() * block_size,
             )
     offsets: list[int] = []
     for offset, size in reversed(layout.free_regions()):
-        end = offset + size
-        for _ in range(min(num_blocks - len(offsets), size // block_size)):
+        start, end = span(offset, size)
+        for _ in range(min(num_blocks - len(offsets), (end - start) // block_size)):
             end -= block_size
             offsets.append(end)
         if len(offsets) == num_blocks:

@@ -111,9 +111,10 @@ class PoolClient:
         """Unpin everything this session acquired and free its KV blocks; tensors stay resident."""
         self._call("release")
 
-    def kv_alloc(self, num_blocks: int, block_bytes: int) -> KVBlocks:
-        """Allocate ``num_blocks`` KV blocks of at least ``block_bytes`` each."""
-        reply = self._call("kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes)
+    def kv_alloc(self, num_blocks: int, block_bytes: int, aligned: bool = False) -> KVBlocks:
+        """Allocate ``num_blocks`` KV blocks of at least ``block_bytes`` each (``aligned``: each
+        at a multiple of the block size, so ``offset // block_bytes`` numbers it)."""
+        reply = self._call("kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned)
         return KVBlocks(tuple(reply["block_ids"]), tuple(reply["offsets"]), reply["block_bytes"])
 
     def kv_free(self, block_ids: list[int] | tuple[int, ...]) -> int:

@@ -195,8 +195,11 @@ class PoolDaemon:
         if op == "kv_alloc":
             num_blocks = _int_field(request, "num_blocks")
             block_bytes = _int_field(request, "block_bytes")
+            aligned = request.get("aligned", False)
+            if not isinstance(aligned, bool):
+                raise ProtocolError("kv_alloc: 'aligned' must be a boolean")
             async with self._lock:
-                alloc = self.store.kv_alloc(session_id, num_blocks, block_bytes)
+                alloc = self.store.kv_alloc(session_id, num_blocks, block_bytes, aligned)
             return {
                 "block_ids": list(alloc.block_ids),
                 "offsets": list(alloc.offsets),

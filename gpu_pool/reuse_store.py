@@ -290,13 +290,19 @@ class ReuseStore:
 
     # ----- KV blocks ---------------------------------------------------------------------------
 
-    def kv_alloc(self, session_id: str, num_blocks: int, block_bytes: int) -> KVAllocation:
-        """Allocate KV blocks for the session, evicting inactive tensors if space is short."""
+    def kv_alloc(
+        self, session_id: str, num_blocks: int, block_bytes: int, aligned: bool = False
+    ) -> KVAllocation:
+        """Allocate KV blocks for the session, evicting inactive tensors if space is short.
+
+        With ``aligned`` each block starts at a multiple of its (aligned) size, so
+        ``offset // size`` numbers it.
+        """
         session = self._session(session_id)
         if num_blocks <= 0 or block_bytes <= 0:
             raise SessionError("kv_alloc needs num_blocks > 0 and block_bytes > 0")
         size = align_up(block_bytes, self.config.alignment)
-        kv_plan = plan_kv(self.regions(), num_blocks, size, self._eviction_order())
+        kv_plan = plan_kv(self.regions(), num_blocks, size, self._eviction_order(), aligned)
         for key in kv_plan.evictions:
             del self.tensors[key]
         ids = []

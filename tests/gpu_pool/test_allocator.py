@@ -189,12 +189,14 @@ def test_out_of_memory_names_bytes() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(layouts(), st.integers(1, 20), st.integers(1, 8))
-def test_kv_plans_never_touch_fixed_regions(regions: list[Region], num_blocks: int, units: int) -> None:
+@given(layouts(), st.integers(1, 20), st.integers(1, 8), st.booleans())
+def test_kv_plans_never_touch_fixed_regions(
+    regions: list[Region], num_blocks: int, units: int, aligned: bool
+) -> None:
     block = units * UNIT
     order = [r.key for r in regions if r.movable]
     try:
-        kv = plan_kv(regions, num_blocks, block, order)
+        kv = plan_kv(regions, num_blocks, block, order, aligned)
     except OutOfMemory as exc:
         carvable = sum(r.size // block for r in regions if r.is_free or r.movable)
         # Evicting everything must really not have been enough (up to merging of neighbours).
@@ -202,6 +204,8 @@ def test_kv_plans_never_touch_fixed_regions(regions: list[Region], num_blocks: i
         assert carvable * block <= sum(r.size for r in regions if r.is_free or r.movable)
         return
     assert len(kv.offsets) == num_blocks
+    if aligned:
+        assert all(o % block == 0 for o in kv.offsets)
     evicted = set(kv.evictions)
     assert all(next(r for r in regions if r.key == k).movable for k in evicted)
     kept = [(r.offset, r.size) for r in regions if not r.is_free and r.key not in evicted]
@@ -209,5 +213,5 @@ def test_kv_plans_never_touch_fixed_regions(regions: list[Region], num_blocks: i
     for (a, sa), (b, _) in itertools.pairwise(spans):
         assert a + sa <= b
     # Eviction happens only when free space alone could not hold the blocks.
-    if sum(r.size // block for r in regions if r.is_free) >= num_blocks:
+    if not aligned and sum(r.size // block for r in regions if r.is_free) >= num_blocks:
         assert not evicted
