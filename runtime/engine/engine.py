@@ -1,0 +1,178 @@
+"""The engine facade: add requests, ``step()`` one iteration, stream text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from runtime.engine.block_manager import BaseBlockSource, BlockManager
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import FinishReason, Sequence
+from runtime.models.llama import LlamaModel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16
+    refill_blocks: int = 8  # blocks fetched from the pool per refill of the local free list
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.refill_blocks < 1:
+            raise ValueError("block_size and refill_blocks must be >= 1")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one sequence."""
+
+    seq_id: int
+    token_id: int
+    text_delta: str
+    finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class _TextState:
+    emitted: str = ""  # text already handed out (stop strings and partial UTF-8 held back)
+
+
+class Engine:
+    """One model, one KV store, many concurrent sequences."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        kv_blocks: object,
+        source: BaseBlockSource,
+        eos_ids: set[int],
+        config: EngineConfig | None = None,
+    ) -> None:
+        import torch
+
+        assert isinstance(kv_blocks, torch.Tensor)
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.blocks = BlockManager(source, self.config.block_size, self.config.refill_blocks)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        self.runner = ModelRunner(model, kv_blocks, self.config.block_size)
+        self.max_context = model.config.max_position_embeddings
+        self.seqs: dict[int, Sequence] = {}
+        self._text: dict[int, _TextState] = {}
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[StepOutput]] = {}
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request; it joins the batch at the next step boundary."""
+        if not prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
+                f"context of {self.max_context} tokens"
+            )
+        seq = Sequence(next(self._ids), list(prompt_ids), params)
+        self.seqs[seq.seq_id] = seq
+        self._text[seq.seq_id] = _TextState()
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """One iteration: a prefill or a decode of the running batch."""
+        seqs, _ = self.scheduler.schedule()
+        if not seqs:
+            return []
+        tokens = self.runner.run(seqs)
+        outputs = []
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.output_ids.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            delta, reason = self._advance_text(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.runner.forget(seq)
+            outputs.append(StepOutput(seq.seq_id, token, delta, reason))
+            queue = self._queues.get(seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(outputs[-1])
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Run requests to completion (all admitted at once); the finished sequences."""
+        ids = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.seqs[i] for i in ids]
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Add a request and yield its outputs as steps produce them (someone must drive
+        :meth:`step`, e.g. :meth:`run_forever`)."""
+        seq_id = self.add_request(prompt_ids, params)
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._queues[seq_id] = queue
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self._queues.pop(seq_id, None)
+
+    async def run_forever(self, idle_sleep: float = 0.001) -> None:
+        """Drive :meth:`step` while the event loop runs (steps are yielded between)."""
+        while True:
+            if self.has_unfinished():
+                self.step()
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(idle_sleep)
+
+    def text(self, seq_id: int) -> str:
+        """Text emitted so far for a sequence."""
+        return self._text[seq_id].emitted
+
+    def close(self) -> None:
+        """Return every KV block to its source."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq)
+        self.scheduler.waiting.clear()
+        self.blocks.trim(0)
+
+    def _advance_text(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+        state = self._text[seq.seq_id]
+        params = seq.params
+        eos = token in self.eos_ids and not params.ignore_eos
+        ids = seq.output_ids[:-1] if eos else seq.output_ids
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        reason: FinishReason | None = FinishReason.STOP if eos else None
+        for stop in params.stop:
+            at = full.find(stop, max(0, len(state.emitted) - len(stop) + 1))
+            if at >= 0:
+                full, reason = full[:at], FinishReason.STOP
+        if reason is None and len(seq.output_ids) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            # Hold back a partial UTF-8 character and any tail that may start a stop string.
+            full = full.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in params.stop), default=0)
+            if hold:
+                full = full[: max(len(state.emitted), len(full) - hold)]
+        delta = full[len(state.emitted) :] if full.startswith(state.emitted) else ""
+        state.emitted += delta
+        return delta, reason

@@ -1,0 +1,73 @@
+"""Where KV blocks live: a view over the pool arena (on demand) or a private tensor.
+
+Both give the model one tensor of shape (num_blocks, L, 2, BS, H_kv, D) indexed by
+physical block number, and a :class:`BaseBlockSource` that hands out those numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runtime.engine.block_manager import BaseBlockSource, RangeBlockSource
+from runtime.models.llama import LlamaConfig
+
+
+class PoolBlockSource(BaseBlockSource):
+    """KV blocks from the device's pool, block-aligned, so ``offset // block_bytes`` numbers them."""
+
+    def __init__(self, client: Any, block_bytes: int) -> None:
+        self.client = client
+        self.block_bytes = block_bytes
+        self._pool_ids: dict[int, int] = {}  # physical block number -> pool block id
+
+    def acquire(self, num_blocks: int) -> list[int] | None:
+        from gpu_pool.client import RemotePoolError
+        from gpu_pool.errors import OutOfMemory
+
+        try:
+            blocks = self.client.kv_alloc(num_blocks, self.block_bytes, aligned=True)
+        except RemotePoolError as exc:
+            if exc.kind is OutOfMemory:
+                return None
+            raise
+        assert blocks.block_bytes == self.block_bytes
+        numbers = [offset // self.block_bytes for offset in blocks.offsets]
+        self._pool_ids.update(zip(numbers, blocks.block_ids, strict=True))
+        return numbers
+
+    def release(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.client.kv_free([self._pool_ids.pop(b) for b in block_ids])
+
+    @property
+    def num_held(self) -> int:
+        return len(self._pool_ids)
+
+
+def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype, alignment: int = 256) -> int:
+    """Bytes of one block rounded up to the pool's alignment."""
+    raw = config.kv_block_bytes(block_size, dtype)
+    return -(-raw // alignment) * alignment
+
+
+def arena_kv_view(
+    arena: torch.Tensor, config: LlamaConfig, block_size: int, dtype: torch.dtype, block_bytes: int
+) -> torch.Tensor:
+    """The arena (a 1-D uint8 tensor) as blocks: (num_blocks, L, 2, BS, H_kv, D) of ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    num_blocks = arena.numel() // block_bytes
+    shape = (num_blocks, *config.kv_block_shape(block_size))
+    inner = torch.empty(shape[1:]).stride()
+    typed = arena[: num_blocks * block_bytes].view(dtype)
+    return typed.as_strided(shape, (block_bytes // itemsize, *inner))
+
+
+def private_kv(
+    config: LlamaConfig, block_size: int, dtype: torch.dtype, num_blocks: int
+) -> tuple[torch.Tensor, RangeBlockSource]:
+    """A preallocated KV tensor and its block source (the contiguous mode vLLM uses)."""
+    return torch.zeros(num_blocks, *config.kv_block_shape(block_size), dtype=dtype), RangeBlockSource(
+        num_blocks
+    )

@@ -1,0 +1,49 @@
+"""Request state: one sequence of tokens being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from runtime.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Prompt plus generated tokens, its KV block table and its progress."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # physical block numbers
+    num_cached: int = 0  # tokens whose K/V are in the blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens the next forward pass must feed (the whole context after a preemption)."""
+        return len(self) - self.num_cached

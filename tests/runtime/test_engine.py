@@ -1,0 +1,181 @@
+"""The engine on a tiny registered model whose weights and KV blocks live in a real pool."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from gpu_pool.client import PoolClient
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes, private_kv
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.engine.sequence import FinishReason
+from runtime.models.llama import LlamaConfig, LlamaModel
+from runtime.registry import RegisteredModel, register
+from tests.conftest import PoolProcess
+from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
+    root = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
+    return register(str(root / "tiny.gguf"), "float32", home=root / "home")
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[PoolProcess]:
+    p = PoolProcess(tmp_path / "pool.sock", "8MiB")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_seqs: int = 32) -> Engine:
+    config = LlamaConfig.from_hf(tiny.config)
+    model = LlamaModel(config, client.acquire(tiny.manifest()))
+    block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
+    kv = arena_kv_view(client.arena(), config, BLOCK, torch.float32, block_bytes)
+    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+    return Engine(
+        model,
+        tok,
+        kv,
+        PoolBlockSource(client, block_bytes),
+        eos_ids={2},
+        config=EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs)),
+    )
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        torch.randint(3, 250, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def test_staggered_concurrent_requests_match_solo_runs(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        solo = [engine.generate([p], GREEDY)[0].output_ids for p in prompts(16)]
+        ids: list[int] = []
+        pending = prompts(16)
+        while pending or engine.has_unfinished():
+            for _ in range(2):  # two new arrivals per step boundary
+                if pending:
+                    ids.append(engine.add_request(pending.pop(0), GREEDY))
+            engine.step()
+        assert [engine.seqs[i].output_ids for i in ids] == solo
+        engine.close()
+
+
+def test_kv_bytes_follow_live_tokens_and_all_return(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client, refill=1)
+        block_bytes = kv_block_bytes(LlamaConfig.from_hf(tiny.config), BLOCK, torch.float32)
+        for p in prompts(5):
+            engine.add_request(p, GREEDY)
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            live = [s for s in engine.scheduler.running]
+            needed = sum(-(-s.num_cached // BLOCK) for s in live)
+            held_by_seqs = sum(len(s.block_table) for s in live)
+            assert held_by_seqs == needed
+            assert (
+                client.stats()["kv_bytes"] == (engine.blocks.num_held + len(engine.blocks.free)) * block_bytes
+            )
+        assert steps > 5
+        engine.close()
+        assert client.stats()["kv_bytes"] == 0
+
+
+def test_nearly_full_pool_preempts_and_still_completes(tiny: RegisteredModel, tmp_path: Path) -> None:
+    config = LlamaConfig.from_hf(tiny.config)
+    block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
+    ps = prompts(8)
+    long = SamplingParams(max_tokens=20, ignore_eos=True)
+    roomy_pool = PoolProcess(tmp_path / "a.sock", "8MiB")
+    try:
+        with PoolClient(roomy_pool.socket_path) as roomy:
+            reference = make_engine(tiny, roomy)
+            expected = [reference.generate([p], long)[0].output_ids for p in ps]
+    finally:
+        roomy_pool.stop()
+    pool = PoolProcess(tmp_path / "b.sock", "2MiB")
+    try:
+        with PoolClient(pool.socket_path) as client, PoolClient(pool.socket_path) as hog:
+            engine = make_engine(tiny, client, refill=1)
+            # Leave room for only 14 blocks: far fewer than 8 sequences of ~30 tokens need.
+            free = client.stats()["free_bytes"]
+            hog.kv_alloc(max(1, free // block_bytes - 14), block_bytes, aligned=True)
+            out = engine.generate(ps, long)
+            assert [s.output_ids for s in out] == expected
+            assert engine.scheduler.num_preemptions > 0
+            assert all(s.finish_reason is FinishReason.LENGTH for s in out)
+            engine.close()
+            assert client.stats()["kv_bytes"] == hog.stats()["kv_bytes"]  # only the hog's remain
+    finally:
+        pool.stop()
+
+
+def test_contiguous_mode_gives_the_same_tokens(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    config = LlamaConfig.from_hf(tiny.config)
+    with PoolClient(pool.socket_path) as client:
+        paged = make_engine(tiny, client)
+        expected = [s.output_ids for s in paged.generate(prompts(4), GREEDY)]
+        kv, source = private_kv(config, BLOCK, torch.float32, 64)
+        tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+        contiguous = Engine(
+            LlamaModel(config, client.acquire(tiny.manifest())), tok, kv, source, {2}, EngineConfig(BLOCK)
+        )
+        assert [s.output_ids for s in contiguous.generate(prompts(4), GREEDY)] == expected
+
+
+def test_sampling_is_seeded_and_stop_strings_cut_text(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+        a = engine.generate([prompts(1)[0]], params)[0]
+        b = engine.generate([prompts(1)[0]], params)[0]
+        assert a.output_ids == b.output_ids
+        text = engine.text(a.seq_id)
+        assert text
+        stop = text[len(text) // 2 : len(text) // 2 + 2] or text[:1]
+        c = engine.generate([prompts(1)[0]], SamplingParams(**{**_fields(params), "stop": (stop,)}))[0]
+        assert c.finish_reason is FinishReason.STOP
+        assert stop not in engine.text(c.seq_id)
+        assert text.startswith(engine.text(c.seq_id))
+
+
+def _fields(p: SamplingParams) -> dict[str, object]:
+    return {f: getattr(p, f) for f in p.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": -1},
+        {"presence_penalty": 3.0},
+        {"stop": ("",)},
+    ],
+)
+def test_invalid_sampling_parameters_are_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
