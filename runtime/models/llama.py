@@ -202,6 +202,8 @@ class LlamaModel:
         batch: Batch,
     ) -> torch.Tensor:
         cfg = self.config
+        if all(n == 1 for n in batch.query_lens) and len(batch.query_lens) > 1:
+            return self._decode_attention(q, k_cache, v_cache, batch)
         out = []
         start = 0
         for i, (qlen, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
@@ -223,6 +225,23 @@ class LlamaModel:
             out.append(o.transpose(0, 1).reshape(qlen, cfg.num_heads * cfg.head_dim))  # (Tq, H*D)
             start += qlen
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch
+    ) -> torch.Tensor:
+        """One new token per sequence: gather every sequence's blocks at once, mask the tail."""
+        cfg = self.config
+        bsz = len(batch.query_lens)
+        ctx = torch.tensor(batch.context_lens)
+        nb = -(-int(ctx.max()) // k_cache.shape[1])
+        table = batch.block_tables[:, :nb]
+        k = k_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        mask = (torch.arange(k.shape[2])[None, :] < ctx[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        o = F.scaled_dot_product_attention(
+            q[:, None].transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True
+        )  # (B, H, 1, D)
+        return o.reshape(bsz, cfg.num_heads * cfg.head_dim)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
