@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import RegistrationError
+from runtime.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # GGUF per-layer tensor suffix -> Hugging Face suffix, in the order a forward pass reads them.
@@ -48,19 +49,15 @@ class GGUFModel:
     tokenizer_json: str
     tokenizer_config: dict[str, Any]
     tensor_names: list[str]  # Hugging Face names, in access order
-    _reader: Any
+    _reader: GGUFFile
     _gguf_names: dict[str, str]  # HF name -> GGUF name
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Dequantized float32 tensors in Hugging Face layout, in access order."""
-        from gguf import quants
-
-        by_name = {t.name: t for t in self._reader.tensors}
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
         for hf_name in self.tensor_names:
-            t = by_name[self._gguf_names[hf_name]]
-            array = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)  # writable copy
+            array = self._reader.dequantize(self._gguf_names[hf_name])
             if self.architecture == "llama" and hf_name.endswith("q_proj.weight"):
                 array = reverse_permute(array, heads)
             elif self.architecture == "llama" and hf_name.endswith("k_proj.weight"):
@@ -90,18 +87,13 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def read_gguf(path: Path) -> GGUFModel:
     """Parse a GGUF file's metadata and tensor index (tensor data is read lazily)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
-        raise RegistrationError(f"{path} is not a readable GGUF file: {exc}") from None
+    reader = GGUFFile(path)
     field: Callable[[str], Any] = lambda key: _field(reader, key)  # noqa: E731
     arch = str(field("general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise RegistrationError(f"{path}: architecture {arch!r} is not supported (supported: {supported})")
-    names = {t.name for t in reader.tensors}
+    names = set(reader.tensors)
     if "rope_freqs.weight" in names:
         raise RegistrationError(f"{path}: llama3-style rope_freqs in GGUF are not supported yet")
     layers = int(field(f"{arch}.block_count"))
@@ -145,7 +137,7 @@ def read_gguf(path: Path) -> GGUFModel:
     return GGUFModel(arch, config, tokenizer_json, tokenizer_config, list(gguf_names), reader, gguf_names)
 
 
-def _tokenizer(reader: Any, tokens: list[str]) -> tuple[str, dict[str, Any]]:
+def _tokenizer(reader: GGUFFile, tokens: list[str]) -> tuple[str, dict[str, Any]]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     model = str(_field(reader, "tokenizer.ggml.model"))
@@ -188,27 +180,26 @@ def _tokenizer(reader: Any, tokens: list[str]) -> tuple[str, dict[str, Any]]:
     return tok.to_str(), config
 
 
-def _field(reader: Any, key: str, default: Any = ...) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
+    if key not in reader.fields:
         if default is ...:
             raise RegistrationError(f"GGUF metadata {key!r} is missing")
         return default
-    return f.contents()
+    return reader.fields[key]
 
 
-def _strings(reader: Any, key: str) -> list[str]:
-    f = reader.fields.get(key)
-    if f is None:
-        raise RegistrationError(f"GGUF metadata {key!r} is missing")
-    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+def _strings(reader: GGUFFile, key: str) -> list[str]:
+    values = _field(reader, key)
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise RegistrationError(f"GGUF metadata {key!r} must be a list of strings")
+    return values
 
 
-def _ints(reader: Any, key: str) -> list[int]:
-    f = reader.fields.get(key)
-    if f is None:
-        raise RegistrationError(f"GGUF metadata {key!r} is missing")
-    return [int(f.parts[i][0]) for i in f.data]
+def _ints(reader: GGUFFile, key: str) -> list[int]:
+    values = _field(reader, key)
+    if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+        raise RegistrationError(f"GGUF metadata {key!r} must be a list of integers")
+    return values
 
 
 def write_hf_metadata(model: GGUFModel, directory: Path) -> None:
