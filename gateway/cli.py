@@ -15,6 +15,16 @@ def main(argv: list[str] | None = None) -> int:
     verbs = parser.add_subparsers(dest="verb", required=True)
     pool = verbs.add_parser("pool", help="run a per-device memory pool daemon")
     add_arguments(pool)
+    gen = verbs.add_parser("generate", help="complete a prompt with a model (registered on first use)")
+    gen.add_argument("--model", required=True, help="gguf:/path, safetensors:/dir or pkg:PACKAGE/RESOURCE")
+    gen.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("-p", "--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     status = verbs.add_parser("status", help="show a pool's capacity, residency and reuse counters")
     status.add_argument("--socket", required=True, help="the pool daemon's socket")
     args = parser.parse_args(argv)
@@ -30,6 +40,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ember pool: {exc}", file=sys.stderr)
             return 2
         return run(config)
+    if args.verb == "generate":
+        from runtime.engine.sampling import SamplingParams
+        from runtime.errors import EmberRuntimeError
+        from runtime.generate import generate
+
+        try:
+            params = SamplingParams(
+                max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+            )
+            generate(args.model, args.prompt, args.dtype, args.chat, params, args.stream)
+        except (EmberRuntimeError, ValueError) as exc:
+            print(f"ember generate: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.verb == "status":
         from gpu_pool.client import PoolClient
 

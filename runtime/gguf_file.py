@@ -140,8 +140,8 @@ def _value(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
             item, pos = _value(buf, pos, item_type)
             items.append(item)
         return items, pos
-    fmt = _SCALARS.get(vtype)
-    if fmt is None:
+    scalar = _SCALARS.get(vtype)
+    if scalar is None:
         raise RegistrationError(f"unknown GGUF value type {vtype}")
-    (value,) = struct.unpack_from(fmt, buf, pos)
-    return value, pos + struct.calcsize(fmt)
+    (value,) = struct.unpack_from(scalar, buf, pos)
+    return value, pos + struct.calcsize(scalar)

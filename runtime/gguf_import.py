@@ -143,7 +143,10 @@ def _tokenizer(reader: GGUFFile, tokens: list[str]) -> tuple[str, dict[str, Any]
     model = str(_field(reader, "tokenizer.ggml.model"))
     if model != "gpt2":
         raise RegistrationError(f"tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
+    merges: list[tuple[str, str]] = []
+    for m in _strings(reader, "tokenizer.ggml.merges"):
+        left, _, right = m.partition(" ")
+        merges.append((left, right))
     types = _ints(reader, "tokenizer.ggml.token_type")
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(

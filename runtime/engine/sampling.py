@@ -47,7 +47,7 @@ def sample(
 ) -> int:
     """One token from ``logits`` (vocab,) float32 under ``params``."""
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids).unique(return_counts=True)
+        ids, counts = torch.unique(torch.tensor(output_ids), return_counts=True)
         logits = logits.clone()
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     if params.greedy:

@@ -179,3 +179,36 @@ def _fields(p: SamplingParams) -> dict[str, object]:
 def test_invalid_sampling_parameters_are_rejected(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_streaming_deltas_hold_back_partial_utf8(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    from runtime.engine.engine import _TextState
+    from runtime.engine.sequence import Sequence
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        # The tiny vocabulary is bytes: "é" is two tokens, "🤖" four.
+        text_ids = engine.tokenizer.encode("aé🤖b", add_special_tokens=False).ids
+        assert len(text_ids) == 8
+        seq = Sequence(999, [5], SamplingParams(max_tokens=100))
+        engine._text[999] = _TextState()
+        deltas = []
+        for t in text_ids:
+            seq.output_ids.append(t)
+            delta, reason = engine._advance_text(seq, t)
+            assert "\ufffd" not in delta and reason is None
+            deltas.append(delta)
+        assert "".join(deltas) == "aé🤖b"
+        assert "" in deltas  # some steps had only part of a character
+
+
+def test_chat_template_renders_generation_prompt(tiny: RegisteredModel) -> None:
+    import json
+
+    from runtime.chat import ChatTemplateError, render_chat
+
+    cfg = json.loads((tiny.directory / "tokenizer_config.json").read_text())
+    text = render_chat(cfg["chat_template"], [{"role": "user", "content": "hi"}], cfg)
+    assert text == "<|im_start|>hi<|im_end|>"
+    with pytest.raises(ChatTemplateError):
+        render_chat(None, [{"role": "user", "content": "hi"}], cfg)

@@ -161,3 +161,44 @@ def test_smollm2_weights_equal_transformers_gguf_loading(tmp_path: Path) -> None
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embeddings
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name
+
+
+@pytest.mark.slow
+def test_ember_generate_answers_from_the_shell(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "generate",
+            "--model",
+            SMOLLM2,
+            "--dtype",
+            "float32",
+            "--chat",
+            "-p",
+            "What is the capital of France?",
+            "--max-tokens",
+            "24",
+            "--stream",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, EMBER_HOME=str(tmp_path)),
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "generate", "--model", "pkg:nope_pkg/x.gguf", "-p", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env=dict(os.environ, EMBER_HOME=str(tmp_path)),
+        check=False,
+    )
+    assert bad.returncode == 2 and "not installed" in bad.stderr
