@@ -92,7 +92,9 @@ def generate(
     ids = tok.encode(prompt, add_special_tokens=False).ids
     config = LlamaConfig.from_hf(model_reg.config)
     torch_dtype = getattr(torch, dtype)
-    block_bytes = kv_block_bytes(config, BLOCK, torch_dtype)
+    profile = model_reg.profile("cpu")  # materialized at registration: no profiling here
+    block_bytes = int(profile["kv_block_bytes"])
+    assert block_bytes == kv_block_bytes(config, BLOCK, torch_dtype) and profile["block_size"] == BLOCK
     kv_blocks = -(-(len(ids) + params.max_tokens) // BLOCK) + 8
     manifest = model_reg.manifest()
     arena = manifest.nbytes + kv_blocks * block_bytes + (64 << 20)

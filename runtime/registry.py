@@ -33,6 +33,8 @@ from runtime.sources import ModelSource, SourceKind, resolve
 DTYPES = ("bfloat16", "float32")
 _STORE_DIR = "store"
 _RECORD = "registration.json"
+_PROFILE = "profile.json"
+PROFILE_BLOCK_SIZE = 16  # tokens per KV block
 _TMP_PREFIX = ".tmp-"
 
 
@@ -48,6 +50,19 @@ class RegisteredModel:
     @property
     def store_path(self) -> Path:
         return self.directory / _STORE_DIR
+
+    def profile(self, device_kind: str = "cpu") -> dict[str, Any]:
+        """The materialized profile of this model on ``device_kind`` (KV geometry, warm-up)."""
+        path = self.directory / _PROFILE
+        if not path.is_file():
+            raise RegistrationError(
+                f"{self.model_id} has no profile.json; delete {self.directory} and register again"
+            )
+        data = json.loads(path.read_text())
+        if device_kind not in data:
+            raise RegistrationError(f"{self.model_id} has no materialized profile for {device_kind!r}")
+        profile: dict[str, Any] = data[device_kind]
+        return profile
 
     def manifest(self) -> Any:
         """The pool manifest (a :class:`gpu_pool.manifest.Manifest`)."""
@@ -157,8 +172,57 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
             raise RegistrationError(f"{src.path} has no tokenizer.json")
     config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / _PROFILE).write_text(json.dumps(materialize_profile(config, tensors, dtype), indent=1))
     store.write(out / _STORE_DIR, tensors, model_id=model_id)
     return config
+
+
+def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """Medusa §6: what an instance start would otherwise measure, recorded once per device kind.
+
+    KV geometry (bytes per block, blocks a request can need) and warm-up timings of a short
+    prefill and decode, so an engine start runs no profiling pass. CPU is profiled here; a
+    GPU kind is added when the model is first placed on one.
+    """
+    import torch
+
+    from runtime.models.llama import Batch, LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig.from_hf(config)
+    torch_dtype = getattr(torch, dtype)
+    block_size = PROFILE_BLOCK_SIZE
+    raw = cfg.kv_block_bytes(block_size, torch_dtype)
+    block_bytes = -(-raw // 256) * 256
+    prompt = min(32, cfg.max_position_embeddings - 8)
+    model = LlamaModel(cfg, tensors)
+    nb = -(-(prompt + 8) // block_size)
+    kv = torch.zeros(nb, *cfg.kv_block_shape(block_size), dtype=torch_dtype)
+    table = torch.arange(nb)[None, :]
+
+    def step(start: int, n: int) -> float:
+        pos = torch.arange(start, start + n)
+        t0 = time.perf_counter()
+        model.forward(Batch(pos % cfg.vocab_size, pos, pos, [n], [start + n], table), kv)
+        return time.perf_counter() - t0
+
+    prefill = step(0, prompt)
+    decode = [step(prompt + i, 1) for i in range(8)]
+    return {
+        "version": 1,
+        "cpu": {
+            "block_size": block_size,
+            "kv_dtype": dtype,
+            "kv_block_bytes": block_bytes,
+            "kv_bytes_per_token": raw // block_size,
+            "max_blocks_per_request": -(-cfg.max_position_embeddings // block_size),
+            "warmup": {
+                "prefill_tokens": prompt,
+                "prefill_ms": round(prefill * 1e3, 3),
+                "decode_ms_per_token": round(sorted(decode)[len(decode) // 2] * 1e3, 3),
+                "threads": torch.get_num_threads(),
+            },
+        },
+    }
 
 
 def _progress(items: Iterator[Any], total: int, enabled: bool, what: str) -> Iterator[Any]:

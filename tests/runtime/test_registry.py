@@ -202,3 +202,16 @@ def test_ember_generate_answers_from_the_shell(tmp_path: Path) -> None:
         check=False,
     )
     assert bad.returncode == 2 and "not installed" in bad.stderr
+
+
+def test_registration_materializes_the_kv_profile(tiny_gguf: Path, tmp_path: Path) -> None:
+    from runtime.models.llama import LlamaConfig
+
+    model = register(str(tiny_gguf), "float32", home=tmp_path)
+    profile = model.profile("cpu")
+    config = LlamaConfig.from_hf(model.config)
+    assert profile["kv_block_bytes"] == config.kv_block_bytes(profile["block_size"], torch.float32)
+    assert profile["max_blocks_per_request"] == -(-config.max_position_embeddings // profile["block_size"])
+    assert profile["warmup"]["prefill_ms"] > 0 and profile["warmup"]["decode_ms_per_token"] > 0
+    with pytest.raises(RegistrationError, match="cuda"):
+        model.profile("cuda")
