@@ -212,3 +212,32 @@ def test_chat_template_renders_generation_prompt(tiny: RegisteredModel) -> None:
     assert text == "<|im_start|>hi<|im_end|>"
     with pytest.raises(ChatTemplateError):
         render_chat(None, [{"role": "user", "content": "hi"}], cfg)
+
+
+def test_async_streams_of_concurrent_requests(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    import asyncio
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        ps = prompts(3)
+        expected = [engine.generate([p], GREEDY)[0].output_ids for p in ps]
+
+        async def consume(p: list[int]) -> tuple[list[int], str, FinishReason | None]:
+            ids, text, reason = [], "", None
+            async for out in engine.stream(p, GREEDY):
+                ids.append(out.token_id)
+                text += out.text_delta
+                reason = out.finish_reason
+            return ids, text, reason
+
+        async def main() -> list[tuple[list[int], str, FinishReason | None]]:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                return await asyncio.gather(*(consume(p) for p in ps))
+            finally:
+                driver.cancel()
+
+        results = asyncio.run(main())
+        assert [r[0] for r in results] == expected
+        assert all(r[2] is FinishReason.LENGTH for r in results)
+        assert all(r[1] == engine.tokenizer.decode(r[0]) for r in results)
