@@ -1,4 +1,8 @@
-"""Placement and scaling decisions (Tangram affinity scheduling, Eq. 3) over cluster state kept
-in Redis: nodes, devices, pool residency, functions and instances. Nothing here is written
-yet beyond this package; the serving issue builds it on the pool's ``stats`` residency.
+"""Placement and scaling decisions over cluster state kept in Redis.
+
+:mod:`scheduler.spec` validates function specs; :mod:`scheduler.policies` (pure Python)
+holds Tangram's affinity placement (Alg. 2, Eq. 3), scale-by-concurrency and early reject;
+:mod:`scheduler.state` keeps functions, instances and device reports in Redis with atomic
+Lua transitions; :mod:`scheduler.redis_server` runs embedded mode's own ``redis-server``.
+The gateway and agents that drive them come with the serving work.
 """

@@ -1,0 +1,26 @@
+"""Typed errors of the scheduler and cluster state."""
+
+from __future__ import annotations
+
+
+class SchedulerError(Exception):
+    code = "scheduler_error"
+
+
+class StateUnavailable(SchedulerError):
+    """Redis cannot be reached or started."""
+
+    code = "state_unavailable"
+
+
+class FunctionNotFound(SchedulerError, KeyError):
+    code = "function_not_found"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "function not found"
+
+
+class StateConflict(SchedulerError):
+    """A state transition lost a race (the instance is not in the expected state)."""
+
+    code = "state_conflict"

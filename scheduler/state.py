@@ -1,0 +1,258 @@
+"""Cluster state in Redis: functions, instances and device reports.
+
+Everything the scheduler decides from lives here, never only in a process, so gateways,
+agents and pools can restart and re-report. Values are explicit, versioned JSON (never
+pickle). Every state change that two gateways could race on is one Lua script, so they
+never double-start or double-stop an instance. Redis calls retry with tenacity on
+connection errors (a Redis restart while idle is survived).
+
+Keys (``prefix`` defaults to ``ember:``)::
+
+    {p}functions              hash  name -> {"v": 1, "spec": {...}, "updated": t}
+    {p}fn:{name}:instances    set   instance ids of a function
+    {p}instance:{id}          hash  function, state, device, url, in_flight, deadline, created
+    {p}device:{id}            string {"v": 1, ...pool report..., "updated": t}
+    {p}instance_seq           counter for instance ids
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from scheduler.errors import FunctionNotFound, StateConflict, StateUnavailable
+
+ENCODING_VERSION = 1
+LIVE_STATES = ("starting", "ready")
+STATES = ("starting", "ready", "draining", "gone")
+
+_T = TypeVar("_T")
+
+# Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
+# ARGV: desired, function, device, now, prefix. Returns the new id or false.
+_SCALE_UP = """
+local live = 0
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local s = redis.call('HGET', ARGV[5] .. 'instance:' .. id, 'state')
+  if s == 'starting' or s == 'ready' then live = live + 1 end
+end
+if live >= tonumber(ARGV[1]) then return false end
+local id = tostring(redis.call('INCR', KEYS[2]))
+redis.call('HSET', ARGV[5] .. 'instance:' .. id, 'v', '1', 'function', ARGV[2], 'state', 'starting',
+  'device', ARGV[3], 'url', '', 'in_flight', '0', 'deadline', '0', 'created', ARGV[4])
+redis.call('SADD', KEYS[1], id)
+return id
+"""
+
+# Move KEYS[1] from state ARGV[1] to ARGV[2]; extra ARGV pairs are fields to set. 1 or 0.
+_TRANSITION = """
+if redis.call('HGET', KEYS[1], 'state') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# Route a request: the ready instance with the fewest in flight below ARGV[2]. KEYS: fn set.
+# ARGV: prefix, concurrency. Returns {id, url} or false.
+_ACQUIRE = """
+local best, best_n, best_url = nil, nil, nil
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[1] .. 'instance:' .. id
+  local f = redis.call('HMGET', key, 'state', 'in_flight', 'url')
+  local n = tonumber(f[2])
+  if f[1] == 'ready' and n < tonumber(ARGV[2]) and (best_n == nil or n < best_n) then
+    best, best_n, best_url = id, n, f[3]
+  end
+end
+if best == nil then return false end
+redis.call('HINCRBY', ARGV[1] .. 'instance:' .. best, 'in_flight', 1)
+return {best, best_url}
+"""
+
+# A request finished on KEYS[1]; ARGV: keep-alive deadline to set when it goes idle.
+_RELEASE = """
+local n = redis.call('HINCRBY', KEYS[1], 'in_flight', -1)
+if n <= 0 then
+  redis.call('HSET', KEYS[1], 'in_flight', '0', 'deadline', ARGV[1])
+  return 0
+end
+return n
+"""
+
+# Keep-alive expiry: ready, idle instances past their deadline become draining, as long as
+# at least ARGV[3] (minScale) live ones remain. KEYS: fn set. ARGV: prefix, now, min_scale.
+_EXPIRE = """
+local live, idle = 0, {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local f = redis.call('HMGET', ARGV[1] .. 'instance:' .. id, 'state', 'in_flight', 'deadline')
+  if f[1] == 'starting' or f[1] == 'ready' then live = live + 1 end
+  if f[1] == 'ready' and tonumber(f[2]) == 0 and tonumber(f[3]) <= tonumber(ARGV[2]) then
+    table.insert(idle, id)
+  end
+end
+local out = {}
+for _, id in ipairs(idle) do
+  if live <= tonumber(ARGV[3]) then break end
+  redis.call('HSET', ARGV[1] .. 'instance:' .. id, 'state', 'draining')
+  live = live - 1
+  table.insert(out, id)
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    instance_id: str
+    function: str
+    state: str
+    device: str
+    url: str
+    in_flight: int
+    deadline: float
+    created: float
+
+
+class ClusterState:
+    """Typed access to the cluster state in one Redis database."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "ember:", retry_seconds: float = 10.0) -> None:
+        # Any: redis-py's annotations cannot say that decode_responses=True returns str.
+        self.r: Any = client
+        self.p = prefix
+        self.retry_seconds = retry_seconds
+        self._scale_up = client.register_script(_SCALE_UP)
+        self._transition = client.register_script(_TRANSITION)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
+        self._expire = client.register_script(_EXPIRE)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "ember:") -> ClusterState:
+        return cls(redis.Redis.from_url(url, decode_responses=True), prefix)
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``, retrying connection errors for ``retry_seconds`` (Redis restarts)."""
+        retrying = retry(
+            retry=retry_if_exception_type((redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)),
+            stop=stop_after_delay(self.retry_seconds),
+            wait=wait_exponential(multiplier=0.02, max=0.5),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StateUnavailable(f"Redis is unreachable: {exc}") from None
+
+    # ----- functions ---------------------------------------------------------------------
+
+    def put_function(self, name: str, spec_document: dict[str, Any]) -> None:
+        value = json.dumps({"v": ENCODING_VERSION, "spec": spec_document, "updated": time.time()})
+        self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
+
+    def get_function(self, name: str) -> dict[str, Any]:
+        raw = self._call(lambda: self.r.hget(f"{self.p}functions", name))
+        if raw is None:
+            raise FunctionNotFound(f"function {name!r} is not deployed")
+        return _decode(raw)["spec"]  # type: ignore[no-any-return]
+
+    def list_functions(self) -> dict[str, dict[str, Any]]:
+        raw = self._call(lambda: self.r.hgetall(f"{self.p}functions"))
+        return {name: _decode(v)["spec"] for name, v in sorted(raw.items())}
+
+    def delete_function(self, name: str) -> None:
+        if not self._call(lambda: self.r.hdel(f"{self.p}functions", name)):
+            raise FunctionNotFound(f"function {name!r} is not deployed")
+
+    # ----- instances ---------------------------------------------------------------------
+
+    def scale_up(self, function: str, desired: int, device: str, now: float | None = None) -> str | None:
+        """Start one instance if fewer than ``desired`` are live; its id, or None."""
+        keys = [f"{self.p}fn:{function}:instances", f"{self.p}instance_seq"]
+        args: list[Any] = [desired, function, device, now if now is not None else time.time(), self.p]
+        result = self._call(lambda: self._scale_up(keys=keys, args=args))
+        return str(result) if result else None
+
+    def transition(
+        self, instance_id: str, from_state: str, to_state: str, **fields: str | int | float
+    ) -> None:
+        """Atomically move an instance between states (:class:`StateConflict` if not in ``from_state``)."""
+        if to_state not in STATES:
+            raise ValueError(f"unknown state {to_state!r}")
+        args: list[Any] = [from_state, to_state]
+        for k, v in fields.items():
+            args += [k, v]
+        ok = self._call(lambda: self._transition(keys=[f"{self.p}instance:{instance_id}"], args=args))
+        if not ok:
+            raise StateConflict(f"instance {instance_id} is not {from_state}")
+
+    def acquire(self, function: str, concurrency: int) -> tuple[str, str] | None:
+        """Route one request: (instance id, url) of the least loaded ready instance, or None."""
+        keys = [f"{self.p}fn:{function}:instances"]
+        result = self._call(lambda: self._acquire(keys=keys, args=[self.p, concurrency]))
+        return (str(result[0]), str(result[1])) if result else None
+
+    def release(self, instance_id: str, keep_alive_s: float, now: float | None = None) -> int:
+        """A request finished; returns the instance's remaining in-flight count."""
+        deadline = (now if now is not None else time.time()) + keep_alive_s
+        n = self._call(lambda: self._release(keys=[f"{self.p}instance:{instance_id}"], args=[deadline]))
+        return int(n)
+
+    def expire(self, function: str, min_scale: int, now: float | None = None) -> list[str]:
+        """Instances whose keep-alive ran out, now draining (at least ``min_scale`` stay)."""
+        keys = [f"{self.p}fn:{function}:instances"]
+        ids = self._call(
+            lambda: self._expire(keys=keys, args=[self.p, now if now is not None else time.time(), min_scale])
+        )
+        return [str(i) for i in ids]
+
+    def instances(self, function: str) -> list[Instance]:
+        ids = self._call(lambda: self.r.smembers(f"{self.p}fn:{function}:instances"))
+        out = []
+        for i in sorted(ids, key=int):
+            key = f"{self.p}instance:{i}"
+            h: dict[str, str] = self._call(functools.partial(self.r.hgetall, key))
+            if h:
+                out.append(
+                    Instance(
+                        str(i), h["function"], h["state"], h["device"], h["url"],
+                        int(h["in_flight"]), float(h["deadline"]), float(h["created"]),
+                    )
+                )  # fmt: skip
+        return out
+
+    def forget_instance(self, function: str, instance_id: str) -> None:
+        """Drop a gone instance's record."""
+        self._call(lambda: self.r.srem(f"{self.p}fn:{function}:instances", instance_id))
+        self._call(lambda: self.r.delete(f"{self.p}instance:{instance_id}"))
+
+    # ----- devices -------------------------------------------------------------------------
+
+    def report_device(self, device_id: str, report: dict[str, Any]) -> None:
+        value = json.dumps({"v": ENCODING_VERSION, **report, "updated": time.time()})
+        self._call(lambda: self.r.set(f"{self.p}device:{device_id}", value))
+
+    def devices(self) -> dict[str, dict[str, Any]]:
+        pattern = f"{self.p}device:*"
+        keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern)))
+        out = {}
+        for k in keys:
+            raw: str | None = self._call(functools.partial(self.r.get, k))
+            if raw is not None:
+                out[k[len(f"{self.p}device:") :]] = _decode(str(raw))
+        return out
+
+
+def _decode(raw: str) -> dict[str, Any]:
+    data = json.loads(raw)
+    if not isinstance(data, dict) or data.get("v") != ENCODING_VERSION:
+        version = data.get("v") if isinstance(data, dict) else "?"
+        raise StateConflict(f"state record has unsupported encoding version {version}")
+    return data
