@@ -401,10 +401,11 @@ def warm_up(device: torch.device | int | None = None) -> None:
     _check_device(index)
     cp = require_cupy()
     with cp.cuda.Device(index):
+        # ``RawKernel.kernel`` compiles (or loads) and caches the kernel for the current device.
         for name in WRITE_KV_KERNELS.values():
-            _kernel("write_kv", name).compile()
+            _ = _kernel("write_kv", name).kernel
         for name in ATTENTION_KERNELS.values():
-            _kernel("attention", name).compile()
+            _ = _kernel("attention", name).kernel
 
 
 # -- validation --------------------------------------------------------------------------------
@@ -585,13 +586,13 @@ def paged_decode_attention(
                     f"context_lens[{i}] = {n} is outside 0..{capacity} (block table width x block size)"
                 )
         ctx_tensor = None
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     for name, tensor in (("kv_blocks", kv), ("q", q), ("block_tables", block_tables)):
         _check_cuda(name, tensor, kv.device)
     if ctx_tensor is not None:
         _check_cuda("context_lens", ctx_tensor, kv.device)
-    scale = head_dim**-0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
 
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)  # (B, H, D)
     if batch == 0:

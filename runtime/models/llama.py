@@ -15,6 +15,7 @@ through its block table (the CPU counterpart of Tangram's E-Attention).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +165,16 @@ class LlamaModel:
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the last new token of each sequence: (B, vocab)."""
         cfg = self.config
+        device = self.embed.device
+        if batch.input_ids.device != device:  # batches are built on the host
+            batch = Batch(
+                batch.input_ids.to(device),
+                batch.positions.to(device),
+                batch.slots.to(device),
+                batch.query_lens,
+                batch.context_lens,
+                batch.block_tables.to(device),
+            )
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]
@@ -183,7 +194,7 @@ class LlamaModel:
             x = x + F.linear(attn, lw.o)
             h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + F.linear(F.silu(F.linear(h, lw.gate)) * F.linear(h, lw.up), lw.down)
-        last = torch.tensor([sum(batch.query_lens[: i + 1]) - 1 for i in range(len(batch.query_lens))])
+        last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
@@ -218,7 +229,7 @@ class LlamaModel:
                 ki = k_cache[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
                 vi = v_cache[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
                 # query j (absolute position ctx - qlen + j) sees keys 0..ctx - qlen + j
-                mask = torch.ones(qlen, ctx, dtype=torch.bool).tril(ctx - qlen)
+                mask = torch.ones(qlen, ctx, dtype=torch.bool, device=q.device).tril(ctx - qlen)
                 o = F.scaled_dot_product_attention(
                     qi, ki.to(qi.dtype), vi.to(qi.dtype), attn_mask=mask, enable_gqa=True
                 )
@@ -232,12 +243,14 @@ class LlamaModel:
         """One new token per sequence: gather every sequence's blocks at once, mask the tail."""
         cfg = self.config
         bsz = len(batch.query_lens)
-        ctx = torch.tensor(batch.context_lens)
-        nb = -(-int(ctx.max()) // k_cache.shape[1])
+        ctx = torch.tensor(batch.context_lens, device=q.device)
+        nb = -(-max(batch.context_lens) // k_cache.shape[1])
         table = batch.block_tables[:, :nb]
         k = k_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        mask = (torch.arange(k.shape[2])[None, :] < ctx[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        mask = (torch.arange(k.shape[2], device=q.device)[None, :] < ctx[:, None])[
+            :, None, None, :
+        ]  # (B, 1, 1, T)
         o = F.scaled_dot_product_attention(
             q[:, None].transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True
         )  # (B, H, 1, D)
