@@ -15,6 +15,7 @@ through its block table (the CPU counterpart of Tangram's E-Attention).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 from dataclasses import dataclass
@@ -131,7 +132,9 @@ class Batch:
 class LlamaModel:
     """Forward pass of a Llama-family model bound to a weight table (no copies)."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: LlamaConfig, weights: dict[str, torch.Tensor], use_cuda_kernels: bool = True
+    ) -> None:
         self.config = config
         w = weights
         self.embed = w["model.embed_tokens.weight"]
@@ -160,6 +163,11 @@ class LlamaModel:
             )
         self.dtype = self.embed.dtype
         self.inv_freq = rope_inv_freq(config).to(self.embed.device)
+        # On CUDA, KV writes and decode attention use the RawKernels of runtime.kernels_cuda
+        # (prefill keeps SDPA) when CuPy is installed; False forces the torch path everywhere.
+        if use_cuda_kernels is None:
+            use_cuda_kernels = importlib.util.find_spec("cupy") is not None
+        self.cuda_kernels = self.embed.is_cuda and use_cuda_kernels
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
@@ -188,9 +196,24 @@ class LlamaModel:
             k = _apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (N, Hkv, D)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (N, Hkv, D)
             k_cache, v_cache = kv_blocks[:, layer_id, 0], kv_blocks[:, layer_id, 1]  # (NB, BS, Hkv, D)
-            k_cache[block_idx, block_off] = k.to(k_cache.dtype)
-            v_cache[block_idx, block_off] = v.to(v_cache.dtype)
-            attn = self._attention(q, k, v, k_cache, v_cache, batch)  # (N, H*D)
+            if self.cuda_kernels:
+                from runtime import kernels_cuda
+
+                kernels_cuda.write_kv(
+                    kv_blocks, layer_id, k.to(kv_blocks.dtype), v.to(kv_blocks.dtype), batch.slots
+                )
+            else:
+                k_cache[block_idx, block_off] = k.to(k_cache.dtype)
+                v_cache[block_idx, block_off] = v.to(v_cache.dtype)
+            if self.cuda_kernels and all(n == 1 for n in batch.query_lens):
+                from runtime import kernels_cuda
+
+                # E-Attention: the kernel reads K/V by physical block number, no gather.
+                attn = kernels_cuda.paged_decode_attention(
+                    q, kv_blocks, layer_id, batch.block_tables, batch.context_lens
+                ).reshape(-1, cfg.num_heads * cfg.head_dim)
+            else:
+                attn = self._attention(q, k, v, k_cache, v_cache, batch)  # (N, H*D)
             x = x + F.linear(attn, lw.o)
             h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + F.linear(F.silu(F.linear(h, lw.gate)) * F.linear(h, lw.up), lw.down)
