@@ -241,3 +241,15 @@ def test_async_streams_of_concurrent_requests(tiny: RegisteredModel, pool: PoolP
         assert [r[0] for r in results] == expected
         assert all(r[2] is FinishReason.LENGTH for r in results)
         assert all(r[1] == engine.tokenizer.decode(r[0]) for r in results)
+
+
+def test_repetition_penalties_change_greedy_choices(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        p = prompts(1)[0]
+        plain = engine.generate([p], SamplingParams(max_tokens=24, ignore_eos=True))[0].output_ids
+        penalized = engine.generate(
+            [p], SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+        )[0].output_ids
+        assert len(set(penalized)) >= len(set(plain))
+        assert penalized != plain or len(set(plain)) == len(plain)

@@ -215,3 +215,30 @@ def test_registration_materializes_the_kv_profile(tiny_gguf: Path, tmp_path: Pat
     assert profile["warmup"]["prefill_ms"] > 0 and profile["warmup"]["decode_ms_per_token"] > 0
     with pytest.raises(RegistrationError, match="cuda"):
         model.profile("cuda")
+
+
+def test_safetensors_directory_source(tiny_gguf: Path, tmp_path: Path) -> None:
+    """A Hugging Face layout directory registers to the same tensors as the GGUF it came from."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from_gguf = register(str(tiny_gguf), "float32", home=tmp_path / "a")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    weights = load_file(str(from_gguf.store_path / store.TENSORS_FILE))
+    half = len(weights) // 2
+    names = list(weights)
+    save_file({n: weights[n] for n in names[:half]}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({n: weights[n] for n in names[half:]}, str(hf / "model-00002-of-00002.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(from_gguf.directory / name, hf / name)
+    model = register(f"safetensors:{hf}", "bfloat16", home=tmp_path / "b")
+    got = load_file(str(model.store_path / store.TENSORS_FILE))
+    assert set(got) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+    assert model.profile("cpu")["kv_dtype"] == "bfloat16"
+    (hf / "tokenizer.json").unlink()
+    with pytest.raises(RegistrationError, match=r"tokenizer\.json"):
+        register(f"safetensors:{hf}", home=tmp_path / "c")
