@@ -24,12 +24,14 @@ import torch
 from gpu_pool import store
 from gpu_pool.client import PoolClient
 from gpu_pool.manifest import Manifest
+from gpu_pool.spawn import running_pool
 
 CLIENT = r"""
 import json, sys, time
 import torch
 from gpu_pool import store
 from gpu_pool.client import PoolClient
+from gpu_pool.spawn import running_pool
 from safetensors.torch import load_file
 manifest = store.read(sys.argv[2])
 t0 = time.perf_counter()
@@ -88,14 +90,7 @@ def main() -> None:
         manifest = smollm2_like(root)
         sock = str(root / "pool.sock")
         env = dict(os.environ, PYTHONPATH=str(repo))
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "gpu_pool", "--device", "cpu", "--arena", "1GiB", "--socket", sock],
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        try:
-            assert daemon.stdout is not None and json.loads(daemon.stdout.readline())["event"] == "ready"
+        with running_pool(sock, "1GiB", env={"PYTHONPATH": str(repo)}):
             with PoolClient(sock) as warm:
                 warm.acquire(manifest)  # make it resident, then release by closing
             runs = []
@@ -109,9 +104,6 @@ def main() -> None:
                     timeout=120,
                 )
                 runs.append(json.loads(out.stdout))
-        finally:
-            daemon.terminate()
-            daemon.wait(10)
 
     def p50_ms(key: str) -> float:
         return round(statistics.median(r[key] for r in runs) * 1e3, 3)

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gpu_pool.client import PoolClient
+from gpu_pool.spawn import running_pool
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
@@ -40,6 +38,7 @@ PROMPT = (
     "<|im_start|>assistant\n"
 )
 BLOCK = 16
+REPEATS = 3  # every rate is the median of this many runs
 
 
 def decode_rate(engine: Engine, prompt: list[int], batch: int, tokens: int) -> float:
@@ -65,15 +64,18 @@ def transformers_rate(dtype: torch.dtype, prompt: list[int], tokens: int) -> tup
     load = time.perf_counter() - t0
     ids = torch.tensor([prompt])
     kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 2}
+    rates = []
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-        total = time.perf_counter() - t0
-    return load, (tokens - 1) / max(total - prefill, 1e-9)
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, **kwargs)
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+            total = time.perf_counter() - t0
+            rates.append((tokens - 1) / max(total - prefill, 1e-9))
+    return load, statistics.median(rates)
 
 
 def pool_engine(client: PoolClient, reg: RegisteredModel, tok: Tokenizer, dtype: torch.dtype) -> Engine:
@@ -108,26 +110,26 @@ def main() -> None:
         prompt = tok.encode(PROMPT, add_special_tokens=False).ids
 
         sock = str(home / "pool.sock")
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "gpu_pool", "--device", "cpu", "--arena", "2GiB", "--socket", sock],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-        )
-        try:
-            assert daemon.stdout is not None and json.loads(daemon.stdout.readline())["event"] == "ready"
+        with running_pool(sock, "2GiB", env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])}):
             for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
                 with PoolClient(sock) as client:
                     engine = pool_engine(client, regs[name], tok, dtype)
-                    ours1 = decode_rate(engine, prompt, 1, tokens)
+                    ours1 = statistics.median(decode_rate(engine, prompt, 1, tokens) for _ in range(REPEATS))
                     if name == "float32":
-                        ours16 = decode_rate(engine, prompt, 16, tokens)
                         config = LlamaConfig.from_hf(regs[name].config)
                         kv, source = private_kv(
                             config, BLOCK, dtype, 16 * (-(-(len(prompt) + tokens) // BLOCK)) + 8
                         )
                         contiguous = Engine(engine.runner.model, tok, kv, source, {2}, EngineConfig(BLOCK))
-                        cont16 = decode_rate(contiguous, prompt, 16, tokens)
+                        pairs = [  # interleaved, so drift on the machine hits both alike
+                            (
+                                decode_rate(engine, prompt, 16, tokens),
+                                decode_rate(contiguous, prompt, 16, tokens),
+                            )
+                            for _ in range(REPEATS)
+                        ]
+                        ours16 = statistics.median(p[0] for p in pairs)
+                        cont16 = statistics.median(p[1] for p in pairs)
                         out["batch16_tok_s"] = round(ours16, 1)
                         out["batch16_over_batch1"] = round(ours16 / ours1, 2)
                         out["contiguous_batch16_tok_s"] = round(cont16, 1)
@@ -155,9 +157,6 @@ def main() -> None:
                 starts.append(time.perf_counter() - t0)
                 client.close()
             out["engine_start_ms_p50"] = round(statistics.median(starts) * 1e3, 2)
-        finally:
-            daemon.terminate()
-            daemon.wait(10)
     checks = {
         "batch1_fp32_ge_transformers": out["float32_ratio_vs_transformers"] >= 1.0,
         "batch1_bf16_ge_transformers": out["bfloat16_ratio_vs_transformers"] >= 1.0,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -28,35 +26,12 @@ BLOCK = 16
 @contextmanager
 def private_pool(arena_bytes: int) -> Iterator[str]:
     """A pool daemon of our own, on a socket in a temporary directory; yields the socket."""
+    from gpu_pool.spawn import running_pool
+
     with tempfile.TemporaryDirectory(prefix="ember-generate-") as tmp:
         sock = str(Path(tmp) / "pool.sock")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpu_pool",
-                "--device",
-                "cpu",
-                "--arena",
-                str(arena_bytes),
-                "--socket",
-                sock,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, EMBER_POOL_PREFAULT="false"),
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line or json.loads(line).get("event") != "ready":
-                err = proc.stderr.read() if proc.stderr else ""
-                raise RuntimeError(f"the private pool did not start: {err.strip()}")
+        with running_pool(sock, arena_bytes, env={"EMBER_POOL_PREFAULT": "false"}):
             yield sock
-        finally:
-            proc.terminate()
-            proc.communicate(timeout=30)
 
 
 def eos_ids(model: RegisteredModel, tok: Tokenizer) -> set[int]:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +11,7 @@ import torch
 
 from gpu_pool import store
 from gpu_pool.manifest import Manifest
+from gpu_pool.spawn import PoolProcess as SpawnedPool
 
 
 def random_tensors(seed: int, sizes: list[int], prefix: str = "t") -> dict[str, torch.Tensor]:
@@ -30,53 +27,11 @@ def write_entry(root: Path, name: str, tensors: dict[str, torch.Tensor]) -> Mani
     return store.write(root / name, tensors, model_id=name)
 
 
-class PoolProcess:
-    """A pool daemon running as `python -m gpu_pool` in its own process."""
+class PoolProcess(SpawnedPool):
+    """A pool daemon for tests: no pre-faulting, ``arena`` defaulting to 16 MiB."""
 
     def __init__(self, socket_path: Path, arena: str = "16MiB", *extra: str) -> None:
-        self.socket_path = str(socket_path)
-        env = dict(os.environ, EMBER_POOL_PREFAULT="false")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpu_pool",
-                "--device",
-                "cpu",
-                "--arena",
-                arena,
-                "--socket",
-                self.socket_path,
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(
-                f"pool daemon failed to start: {self.proc.stderr.read() if self.proc.stderr else ''}"
-            )
-        self.ready = json.loads(line)
-        assert self.ready["event"] == "ready"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+        super().__init__(str(socket_path), arena, extra_args=extra, env={"EMBER_POOL_PREFAULT": "false"})
 
 
 @pytest.fixture

@@ -1,0 +1,81 @@
+"""Start a pool daemon as a child process and wait until it serves (for tools and tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from gpu_pool.errors import PoolError
+
+
+class PoolProcess:
+    """``python -m gpu_pool`` in its own process; ``ready`` is its readiness announcement."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        arena: str | int,
+        device: str = "cpu",
+        extra_args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.socket_path = str(socket_path)
+        args = [
+            sys.executable,
+            "-m",
+            "gpu_pool",
+            "--device",
+            device,
+            "--arena",
+            str(arena),
+            "--socket",
+            self.socket_path,
+        ]
+        self.proc = subprocess.Popen(
+            [*args, *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **(env or {})),
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.stop()
+            raise PoolError(f"pool daemon failed to start: {err.strip()}")
+        self.ready: dict[str, Any] = json.loads(line)
+        if self.ready.get("event") != "ready":
+            self.stop()
+            raise PoolError(f"pool daemon announced {line.strip()!r} instead of readiness")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM (SIGKILL after 10 s) and close the pipes."""
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@contextmanager
+def running_pool(socket_path: str, arena: str | int, **kwargs: Any) -> Iterator[PoolProcess]:
+    """A :class:`PoolProcess` stopped when the block ends."""
+    pool = PoolProcess(socket_path, arena, **kwargs)
+    try:
+        yield pool
+    finally:
+        pool.stop()
