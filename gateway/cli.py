@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    worker = verbs.add_parser("worker", help="serve one registered model as a function instance")
+    worker.add_argument("--name", required=True, help="function name")
+    worker.add_argument("--model-dir", required=True, help="registered model directory")
+    worker.add_argument("--pool-socket", required=True, help="the device pool's socket")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
     status = verbs.add_parser("status", help="show a pool's capacity, residency and reuse counters")
     status.add_argument("--socket", required=True, help="the pool daemon's socket")
     args = parser.parse_args(argv)
@@ -53,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         except (EmberRuntimeError, ValueError) as exc:
             print(f"ember generate: {exc}", file=sys.stderr)
             return 2
+        return 0
+    if args.verb == "worker":
+        from pathlib import Path
+
+        from runtime.worker import serve
+
+        serve(args.name, Path(args.model_dir), args.pool_socket, args.host, args.port)
         return 0
     if args.verb == "status":
         from gpu_pool.client import PoolClient
