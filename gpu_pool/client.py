@@ -157,10 +157,16 @@ class PoolClient:
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         request_id = next(self._ids)
-        send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
-        reply = decode_reply(recv_frame(self._sock))
-        if reply.get("id") != request_id:
-            raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
+        try:
+            send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
+            reply = decode_reply(recv_frame(self._sock))
+            if reply.get("id") != request_id:
+                raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
+        except (OSError, ProtocolError):
+            # A late reply would answer the next call: this session cannot be trusted any more.
+            # Closing it makes the daemon release everything the session held.
+            self._sock.close()
+            raise
         if not reply.get("ok"):
             err = reply.get("error") or {}
             details = {k: v for k, v in err.items() if k not in ("type", "message")}

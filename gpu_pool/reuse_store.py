@@ -196,7 +196,12 @@ class ReuseStore:
                 self._unpin(session, k)
             raise
         plan_seconds = time.perf_counter() - t0
-        self._apply_evictions_and_moves(the_plan)
+        try:
+            self._apply_evictions_and_moves(the_plan)
+        except BaseException:
+            for k in resident:
+                self._unpin(session, k)
+            raise
         for k in missing:
             e = unique[k]
             rec = TensorRecord(k, the_plan.placements[k], align_up(e.nbytes, self.config.alignment), e)

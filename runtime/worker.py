@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from runtime.chat import ChatTemplateError, render_chat
 from runtime.engine.engine import Engine, EngineConfig, StepOutput
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import KVCacheExhausted
 from runtime.registry import RegisteredModel, load
 
 
@@ -90,7 +91,7 @@ class Worker:
     def params(self, request: _Sampling, prompt_len: int) -> SamplingParams:
         stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
         max_tokens = request.max_tokens or min(self.max_tokens_default, self.engine.max_context - prompt_len)
-        if prompt_len + max_tokens > self.engine.max_context:
+        if max_tokens < 1 or prompt_len + max_tokens > self.engine.max_context:
             raise RequestError(
                 f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it exceeds the model's "
                 f"context of {self.engine.max_context} tokens"
@@ -152,10 +153,13 @@ def build_app(worker: Worker) -> FastAPI:
                 _sse(stream, rid, worker.name, chat, len(ids)), media_type="text/event-stream"
             )
         text, n, reason = "", 0, None
-        async for out in stream:
-            text += out.text_delta
-            n += 1
-            reason = out.finish_reason
+        try:
+            async for out in stream:
+                text += out.text_delta
+                n += 1
+                reason = out.finish_reason
+        except KVCacheExhausted as exc:
+            return error(503, "kv_cache_exhausted", str(exc))
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason.value if reason else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -207,12 +211,19 @@ async def _sse(
 
     if chat:
         yield chunk(None, None)
-    async for out in stream:
-        n += 1
-        reason = out.finish_reason.value if out.finish_reason else None
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-        if out.text_delta or reason:
-            yield chunk(out.text_delta, reason, usage if reason else None)
+    try:
+        async for out in stream:
+            n += 1
+            reason = out.finish_reason.value if out.finish_reason else None
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": prompt_tokens + n,
+            }
+            if out.text_delta or reason:
+                yield chunk(out.text_delta, reason, usage if reason else None)
+    except KVCacheExhausted as exc:  # one error event, as OpenAI streams do
+        yield f"data: {json.dumps({'error': {'type': exc.code, 'message': str(exc)}})}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 

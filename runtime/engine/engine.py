@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import Scheduler, SchedulerConfig
-from runtime.engine.sequence import FinishReason, Sequence
+from runtime.engine.scheduler import KVCacheExhausted, Scheduler, SchedulerConfig
+from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 from runtime.models.llama import LlamaModel
 
 
@@ -34,9 +34,10 @@ class StepOutput:
     """What one step produced for one sequence."""
 
     seq_id: int
-    token_id: int
+    token_id: int | None  # None when the request failed before producing a token
     text_delta: str
     finish_reason: FinishReason | None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,7 +92,15 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """One iteration: a prefill or a decode of the running batch."""
-        seqs, _ = self.scheduler.schedule()
+        try:
+            seqs, _ = self.scheduler.schedule()
+        except KVCacheExhausted as exc:
+            # Fail only the request that cannot fit; everyone else keeps going.
+            seq = self.scheduler.waiting.popleft()
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, FinishReason.ERROR, str(exc)
+            failed = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, str(exc))
+            self._deliver(failed)
+            return [failed]
         if not seqs:
             return []
         tokens = self.runner.run(seqs)
@@ -107,10 +116,13 @@ class Engine:
                 self.scheduler.finish(seq)
                 self.runner.forget(seq)
             outputs.append(StepOutput(seq.seq_id, token, delta, reason))
-            queue = self._queues.get(seq.seq_id)
-            if queue is not None:
-                queue.put_nowait(outputs[-1])
+            self._deliver(outputs[-1])
         return outputs
+
+    def _deliver(self, out: StepOutput) -> None:
+        queue = self._queues.get(out.seq_id)
+        if queue is not None:
+            queue.put_nowait(out)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run requests to completion (all admitted at once); the finished sequences."""
@@ -128,6 +140,8 @@ class Engine:
         try:
             while True:
                 out = await queue.get()
+                if out.finish_reason is FinishReason.ERROR:
+                    raise KVCacheExhausted(out.error or "the request failed")
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -161,10 +175,9 @@ class Engine:
         ids = seq.output_ids[:-1] if eos else seq.output_ids
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
         reason: FinishReason | None = FinishReason.STOP if eos else None
-        for stop in params.stop:
-            at = full.find(stop, max(0, len(state.emitted) - len(stop) + 1))
-            if at >= 0:
-                full, reason = full[:at], FinishReason.STOP
+        hits = [full.find(stop, max(0, len(state.emitted) - len(stop) + 1)) for stop in params.stop]
+        if any(at >= 0 for at in hits):  # the earliest stop string wins, whatever its place in the list
+            full, reason = full[: min(at for at in hits if at >= 0)], FinishReason.STOP
         if reason is None and len(seq.output_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is None:

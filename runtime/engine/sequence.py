@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
+    ERROR = "error"  # the request could not run (e.g. it needs more KV blocks than can be had)
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_at: float | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -133,7 +133,7 @@ class LlamaModel:
     """Forward pass of a Llama-family model bound to a weight table (no copies)."""
 
     def __init__(
-        self, config: LlamaConfig, weights: dict[str, torch.Tensor], use_cuda_kernels: bool = True
+        self, config: LlamaConfig, weights: dict[str, torch.Tensor], use_cuda_kernels: bool | None = None
     ) -> None:
         self.config = config
         w = weights
@@ -271,9 +271,12 @@ class LlamaModel:
         table = batch.block_tables[:, :nb]
         k = k_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v_cache[table].reshape(bsz, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        mask = (torch.arange(k.shape[2], device=q.device)[None, :] < ctx[:, None])[
-            :, None, None, :
-        ]  # (B, 1, 1, T)
+        valid = torch.arange(k.shape[2], device=q.device)[None, :] < ctx[:, None]  # (B, T)
+        mask = valid[:, None, None, :]  # (B, 1, 1, T)
+        # Positions past a context hold whatever the arena held before (NaN/Inf bit patterns
+        # included): a masked NaN still poisons SDPA, so zero them.
+        k = k.masked_fill(~valid[:, None, :, None], 0)  # (B, Hkv, T, D)
+        v = v.masked_fill(~valid[:, None, :, None], 0)
         o = F.scaled_dot_product_attention(
             q[:, None].transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True
         )  # (B, H, 1, D)

@@ -253,3 +253,68 @@ def test_repetition_penalties_change_greedy_choices(tiny: RegisteredModel, pool:
         )[0].output_ids
         assert len(set(penalized)) >= len(set(plain))
         assert penalized != plain or len(set(plain)) == len(plain)
+
+
+def test_stale_nan_bytes_in_kv_blocks_do_not_leak_into_attention(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    config = LlamaConfig.from_hf(tiny.config)
+    ps = prompts(4)
+    with PoolClient(pool.socket_path) as client:
+        clean = [s.output_ids for s in make_engine(tiny, client).generate(ps, GREEDY)]
+    kv, source = private_kv(config, BLOCK, torch.float32, 64)
+    kv.fill_(float("nan"))  # what an arena that held other bytes may look like
+    with PoolClient(pool.socket_path) as client:
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+        tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+        dirty = Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+        assert [s.output_ids for s in dirty.generate(ps, GREEDY)] == clean
+
+
+def test_earliest_stop_string_wins(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    from runtime.engine.engine import _TextState
+    from runtime.engine.sequence import Sequence
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        ids = engine.tokenizer.encode("bbabc", add_special_tokens=False).ids
+        seq = Sequence(7, [5], SamplingParams(max_tokens=50, stop=("c", "abc")))
+        engine._text[7] = _TextState()
+        emitted, reason = "", None
+        for t in ids:
+            seq.output_ids.append(t)
+            delta, reason = engine._advance_text(seq, t)
+            emitted += delta
+            if reason is not None:
+                break
+        assert emitted == "bb" and reason is FinishReason.STOP
+
+
+def test_a_request_that_can_never_fit_fails_alone(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    import asyncio
+
+    from runtime.engine.scheduler import KVCacheExhausted
+
+    config = LlamaConfig.from_hf(tiny.config)
+    kv, source = private_kv(config, BLOCK, torch.float32, 4)  # 16 tokens of KV in all
+    with PoolClient(pool.socket_path) as client:
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+    engine = Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+
+    async def run() -> tuple[str, list[int]]:
+        driver = asyncio.create_task(engine.run_forever())
+        try:
+            with pytest.raises(KVCacheExhausted) as info:
+                async for _ in engine.stream(list(range(3, 30)), GREEDY):  # 27 tokens > 16
+                    pass
+            small = [
+                o.token_id
+                async for o in engine.stream([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            ]
+            return str(info.value), [t for t in small if t is not None]
+        finally:
+            driver.cancel()
+
+    message, small = asyncio.run(run())
+    assert "KV blocks" in message and len(small) == 4
