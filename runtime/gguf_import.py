@@ -52,6 +52,10 @@ class GGUFModel:
     _reader: GGUFFile
     _gguf_names: dict[str, str]  # HF name -> GGUF name
 
+    def close(self) -> None:
+        """Unmap the file (tensors already yielded are independent copies)."""
+        self._reader.close()
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Dequantized float32 tensors in Hugging Face layout, in access order."""
         heads = self.config["num_attention_heads"]
@@ -88,6 +92,14 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def read_gguf(path: Path) -> GGUFModel:
     """Parse a GGUF file's metadata and tensor index (tensor data is read lazily)."""
     reader = GGUFFile(path)
+    try:
+        return _read(path, reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _read(path: Path, reader: GGUFFile) -> GGUFModel:
     field: Callable[[str], Any] = lambda key: _field(reader, key)  # noqa: E731
     arch = str(field("general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -152,13 +164,20 @@ def _tokenizer(reader: GGUFFile, tokens: list[str]) -> tuple[str, dict[str, Any]
     byte_level = pre_tokenizers.ByteLevel(
         add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)), use_regex=True
     )
-    if str(_field(reader, "tokenizer.ggml.pre", "default")) == "smollm":
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    if pre == "smollm":
         # llama.cpp's "smollm" pre-tokenizer: every digit on its own, then GPT-2's regex.
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    else:
+    elif pre in ("default", "gpt2"):
         tok.pre_tokenizer = byte_level
+    else:
+        # Other pre-tokenizers (llama-bpe, qwen2, ...) split text differently: refuse rather
+        # than tokenize prompts wrongly without a word.
+        raise RegistrationError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2)")
+    if len(types) != len(tokens):
+        raise RegistrationError("GGUF tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
         [

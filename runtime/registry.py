@@ -151,9 +151,12 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
         from runtime.gguf_import import read_gguf, write_hf_metadata
 
         model = read_gguf(src.path)
-        for name, array in _progress(model.tensors(), len(model.tensor_names), progress, model_id):
-            tensors[name] = torch.from_numpy(array).to(torch_dtype)
-        write_hf_metadata(model, out)
+        try:
+            for name, array in _progress(model.tensors(), len(model.tensor_names), progress, model_id):
+                tensors[name] = torch.from_numpy(array).to(torch_dtype)
+            write_hf_metadata(model, out)
+        finally:
+            model.close()
         config = dict(model.config)
     else:
         from safetensors.torch import load_file

@@ -77,7 +77,9 @@ return {best, best_url}
 """
 
 # A request finished on KEYS[1]; ARGV: keep-alive deadline to set when it goes idle.
+# An instance already forgotten stays forgotten (HINCRBY would recreate its hash).
 _RELEASE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local n = redis.call('HINCRBY', KEYS[1], 'in_flight', -1)
 if n <= 0 then
   redis.call('HSET', KEYS[1], 'in_flight', '0', 'deadline', ARGV[1])
@@ -183,9 +185,15 @@ class ClusterState:
     def transition(
         self, instance_id: str, from_state: str, to_state: str, **fields: str | int | float
     ) -> None:
-        """Atomically move an instance between states (:class:`StateConflict` if not in ``from_state``)."""
+        """Atomically move an instance between states (:class:`StateConflict` if not in ``from_state``).
+
+        Becoming ``ready`` needs a ``deadline`` (now + keep-alive): an instance that never
+        serves must still expire, but not the moment it is ready.
+        """
         if to_state not in STATES:
             raise ValueError(f"unknown state {to_state!r}")
+        if to_state == "ready" and "deadline" not in fields:
+            raise ValueError("a transition to ready needs deadline= (now + keep-alive)")
         args: list[Any] = [from_state, to_state]
         for k, v in fields.items():
             args += [k, v]

@@ -64,10 +64,13 @@ def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
     b = state.scale_up("f", 2, "n/cpu", now=0.0)
     assert a and b and state.scale_up("f", 2, "n/cpu") is None
     assert state.acquire("f", concurrency=1) is None  # nothing ready yet
-    state.transition(a, "starting", "ready", url="http://a")
+    with pytest.raises(ValueError, match="deadline"):
+        state.transition(a, "starting", "ready", url="http://a")
+    state.transition(a, "starting", "ready", url="http://a", deadline=10.0)
+    assert state.expire("f", min_scale=0, now=5.0) == []  # ready but not idle past its keep-alive yet
     with pytest.raises(StateConflict):
-        state.transition(a, "starting", "ready")
-    state.transition(b, "starting", "ready", url="http://b")
+        state.transition(a, "starting", "ready", deadline=10.0)
+    state.transition(b, "starting", "ready", url="http://b", deadline=10.0)
     first, second = state.acquire("f", 1), state.acquire("f", 1)
     assert {first, second} == {(a, "http://a"), (b, "http://b")}
     assert state.acquire("f", 1) is None  # both at their concurrency
@@ -85,6 +88,8 @@ def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
         state.transition(i, "draining", "gone")
         state.forget_instance("f", i)
     assert state.instances("f") == []
+    assert state.release(a, keep_alive_s=10) == -1  # a late release does not resurrect it
+    assert state.instances("f") == [] and not state.r.exists(f"{state.p}instance:{a}")
 
 
 def test_device_reports(state: ClusterState) -> None:
