@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -79,9 +80,12 @@ class CpuArena(BaseArena):
                 for job in group:
                     if job.file not in fds:
                         try:
-                            fds[job.file] = os.open(job.file, os.O_RDONLY)
+                            fd = os.open(job.file, os.O_RDONLY | os.O_NONBLOCK)
                         except OSError as exc:
                             raise LoadError(f"cannot open store file {job.file}: {exc.strerror}") from None
+                        fds[job.file] = fd
+                        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device would block the pool
+                            raise LoadError(f"store file {job.file} is not a regular file")
             futures = [self._pool.submit(self._run_group, group, fds) for group in groups]
             # Wait for every group before the descriptors close, then raise the first failure.
             wait(futures)

@@ -178,6 +178,13 @@ def _attach(handle: dict[str, Any]) -> torch.Tensor:
     import torch
 
     if handle["kind"] == "shm":
+        # from_file would silently create a missing file: check it is the daemon's arena.
+        try:
+            size = os.stat(handle["path"]).st_size
+        except FileNotFoundError:
+            raise ProtocolError(f"arena file {handle['path']} does not exist (pool restarted?)") from None
+        if size != handle["size"]:
+            raise ProtocolError(f"arena file {handle['path']} has {size} bytes, expected {handle['size']}")
         storage = cast(
             "torch.UntypedStorage",
             torch.UntypedStorage.from_file(handle["path"], shared=True, nbytes=handle["size"]),

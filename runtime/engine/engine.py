@@ -131,6 +131,25 @@ class Engine:
             self.step()
         return [self.seqs[i] for i in ids]
 
+    def abort(self, seq_id: int) -> None:
+        """Stop a request (its client went away): its blocks and batch slot are freed now."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+        else:
+            self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.STOP
+        self.runner.forget(seq)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a request's records (after its results were read)."""
+        self.abort(seq_id)
+        self.seqs.pop(seq_id, None)
+        self._text.pop(seq_id, None)
+
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs as steps produce them (someone must drive
         :meth:`step`, e.g. :meth:`run_forever`)."""
@@ -147,6 +166,7 @@ class Engine:
                     return
         finally:
             self._queues.pop(seq_id, None)
+            self.forget(seq_id)  # also aborts it if the consumer stopped early
 
     async def run_forever(self, idle_sleep: float = 0.001) -> None:
         """Drive :meth:`step` while the event loop runs (steps are yielded between)."""

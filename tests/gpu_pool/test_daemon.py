@@ -255,3 +255,13 @@ def test_second_daemon_on_a_live_socket_is_refused_and_leaves_no_arena_file(
     assert out.returncode == 2 and "already serving" in out.stderr
     assert list(shm.iterdir()) == []
     assert pool_process.alive()
+
+
+def test_client_refuses_to_map_a_missing_arena(pool_process: PoolProcess) -> None:
+    from gpu_pool.errors import ProtocolError
+
+    with PoolClient(pool_process.socket_path) as c:
+        c.arena_handle = {**c.arena_handle, "path": c.arena_handle["path"] + "-gone"}
+        with pytest.raises(ProtocolError, match="does not exist"):
+            c.arena()
+        assert not os.path.exists(c.arena_handle["path"])  # and it did not create one

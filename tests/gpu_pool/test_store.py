@@ -212,3 +212,16 @@ def test_store_entry_can_be_moved(tmp_path: Path) -> None:
     moved = store.read(tmp_path / "b" / "m")
     assert moved["x"].file == str(tmp_path / "b" / "m" / store.TENSORS_FILE)
     assert moved["x"].fingerprint == m["x"].fingerprint and store.verify(moved) == []
+
+
+def test_cpu_arena_refuses_non_regular_store_files(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    arena = CpuArena(1 << 20, shm_dir=str(tmp_path), prefault=False)
+    try:
+        with pytest.raises(LoadError, match="not a regular file"):
+            arena.load([[CopyJob(str(fifo), 0, 0, 10)]])
+    finally:
+        arena.close()

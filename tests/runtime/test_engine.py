@@ -318,3 +318,25 @@ def test_a_request_that_can_never_fit_fails_alone(tiny: RegisteredModel, pool: P
 
     message, small = asyncio.run(run())
     assert "KV blocks" in message and len(small) == 4
+
+
+def test_a_stream_abandoned_early_frees_its_slot_and_blocks(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    import asyncio
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+
+        async def run() -> None:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                stream = engine.stream(prompts(1)[0], SamplingParams(max_tokens=100, ignore_eos=True))
+                async for _ in stream:
+                    break  # the client went away after one token
+                await stream.aclose()
+                await asyncio.sleep(0.05)
+            finally:
+                driver.cancel()
+
+        asyncio.run(run())
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        assert engine.blocks.num_held == 0 and engine.seqs == {}
