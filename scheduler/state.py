@@ -140,6 +140,10 @@ class ClusterState:
     def from_url(cls, url: str, prefix: str = "ember:") -> ClusterState:
         return cls(redis.Redis.from_url(url, decode_responses=True), prefix)
 
+    def close(self) -> None:
+        """Close the connections to Redis."""
+        self.r.close()
+
     def _call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn``, retrying connection errors for ``retry_seconds`` (Redis restarts)."""
         retrying = retry(

@@ -26,9 +26,11 @@ spec:
 def state(tmp_path: Path) -> Iterator[ClusterState]:
     srv = EmbeddedRedis(tmp_path / "redis")
     srv.start()
+    state = ClusterState.from_url(srv.url)
     try:
-        yield ClusterState.from_url(srv.url)
+        yield state
     finally:
+        state.close()
         srv.stop()
 
 
@@ -93,3 +95,4 @@ def test_unreachable_redis_is_a_503(tmp_path: Path) -> None:
     with TestClient(create_app(state)) as http:
         resp = http.get("/v1/functions")
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "state_unavailable"
+    state.close()

@@ -24,8 +24,12 @@ def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def state(server: EmbeddedRedis) -> ClusterState:
-    return ClusterState.from_url(server.url)
+def state(server: EmbeddedRedis) -> Iterator[ClusterState]:
+    s = ClusterState.from_url(server.url)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def test_functions_crud_and_survive_a_restart(server: EmbeddedRedis, state: ClusterState) -> None:
@@ -49,6 +53,7 @@ def test_concurrent_scale_up_never_double_starts(server: EmbeddedRedis) -> None:
         s = ClusterState.from_url(server.url)  # each gateway its own connection
         barrier.wait()
         started.append(s.scale_up("f", desired=3, device="n/cpu"))
+        s.close()
 
     threads = [threading.Thread(target=gateway) for _ in range(16)]
     for t in threads:
@@ -56,7 +61,9 @@ def test_concurrent_scale_up_never_double_starts(server: EmbeddedRedis) -> None:
     for t in threads:
         t.join()
     assert len([s for s in started if s]) == 3
-    assert len(ClusterState.from_url(server.url).instances("f")) == 3
+    check = ClusterState.from_url(server.url)
+    assert len(check.instances("f")) == 3
+    check.close()
 
 
 def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
