@@ -8,10 +8,13 @@ and :mod:`gpu_pool.arena_cuda` (CuPy memory shared over CUDA IPC).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gpu_pool.errors import LoadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +59,24 @@ class BaseArena(ABC):
     def _check_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
             raise ValueError(f"range [{offset}, {offset + nbytes}) leaves the arena of {self.capacity} bytes")
+
+
+def read_exactly(fd: int, job: CopyJob, dst: memoryview) -> None:
+    """Fill ``dst`` (``job.nbytes`` long) with the job's bytes of its store file, or raise LoadError.
+
+    preadv may return fewer bytes than asked (signals, requests over 2 GiB), hence the loop.
+    """
+    done = 0
+    while done < job.nbytes:
+        try:
+            n = os.preadv(fd, [dst[done:]], job.src + done)
+        except OSError as exc:
+            raise LoadError(
+                f"reading store file {job.file} at byte {job.src + done} failed: {exc.strerror}"
+            ) from exc
+        if n == 0:
+            raise LoadError(
+                f"store file {job.file} ends before byte {job.src + job.nbytes} "
+                f"(truncated or replaced since registration)"
+            )
+        done += n

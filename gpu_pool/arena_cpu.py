@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_pool.arena import BaseArena, CopyJob
+from gpu_pool.arena import BaseArena, CopyJob, read_exactly
 from gpu_pool.errors import LoadError
 
 _NAME = re.compile(r"^ember-pool-(\d+)-[0-9a-f]+$")
@@ -99,17 +99,7 @@ class CpuArena(BaseArena):
         view = memoryview(self._mmap)
         try:
             for job in group:
-                done = 0
-                while done < job.nbytes:
-                    n = os.preadv(
-                        fds[job.file], [view[job.dst + done : job.dst + job.nbytes]], job.src + done
-                    )
-                    if n == 0:
-                        raise LoadError(
-                            f"store file {job.file} ends before byte {job.src + job.nbytes} "
-                            f"(truncated or replaced since registration)"
-                        )
-                    done += n
+                read_exactly(fds[job.file], job, view[job.dst : job.dst + job.nbytes])
         finally:
             view.release()
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu_pool import kernels
-from gpu_pool.arena import BaseArena, CopyJob
+from gpu_pool.arena import BaseArena, CopyJob, read_exactly
 from gpu_pool.errors import BackendUnavailable, ConfigError, LoadError, PoolError
 from gpu_pool.host_cache import CacheKey, FileSignature, PinnedBuffer, PinnedHostCache
 
@@ -319,21 +319,7 @@ class CudaArena(BaseArena):
             ) from exc
         view = buffer.view()
         try:
-            done = 0
-            while done < job.nbytes:
-                # preadv may return fewer bytes than asked (signals, >2 GiB requests); loop.
-                try:
-                    n = os.preadv(fd, [view[done:]], job.src + done)
-                except OSError as exc:
-                    raise LoadError(
-                        f"reading store file {job.file} at byte {job.src + done} failed: {exc.strerror}"
-                    ) from exc
-                if n == 0:
-                    raise LoadError(
-                        f"store file {job.file} ends before byte {job.src + job.nbytes} "
-                        f"(truncated or replaced since registration)"
-                    )
-                done += n
+            read_exactly(fd, job, view)
         finally:
             view.release()
         return buffer

@@ -366,26 +366,14 @@ def tiny_llama(device: torch.device) -> tuple[Any, dict[str, Any]]:
 
 
 def make_batch(seqs: list[tuple[list[int], int, list[int]]], device: torch.device) -> Batch:
-    """seqs: (new token ids, tokens already cached, physical blocks); every tensor on ``device``."""
-    ids, pos, slots, qlens, ctx = [], [], [], [], []
-    table = torch.zeros(len(seqs), max(len(b) for _, _, b in seqs), dtype=torch.long)
-    for i, (new, cached, blocks) in enumerate(seqs):
-        for j, t in enumerate(new):
-            p = cached + j
-            ids.append(t)
-            pos.append(p)
-            slots.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
-        qlens.append(len(new))
-        ctx.append(cached + len(new))
-        table[i, : len(blocks)] = torch.tensor(blocks)
+    """The CPU test's batch, moved to ``device``."""
+    from tests.runtime.test_llama import make_batch as host_batch
+
+    b = host_batch(seqs)
     return Batch(
-        torch.tensor(ids, device=device),
-        torch.tensor(pos, device=device),
-        torch.tensor(slots, device=device),
-        qlens,
-        ctx,
-        table.to(device),
-    )
+        b.input_ids.to(device), b.positions.to(device), b.slots.to(device), b.query_lens, b.context_lens,
+        b.block_tables.to(device),
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
