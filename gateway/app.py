@@ -1,26 +1,34 @@
-"""The HTTP front door: function CRUD, model list, cluster view, health.
+"""The HTTP front door: function CRUD, invocation (invoke + OpenAI), cluster view, metrics.
 
 Functions are deployed from YAML or JSON (validated against the function spec, defaults
-filled in) into the cluster state in Redis. Every error is a JSON
-``{"error": {"type", "message"}}`` mapped to its HTTP status in one place
-(:data:`ERROR_STATUS`); a 5xx is a bug or an unreachable Redis. An API key, when
+filled in, the model registered) into the cluster state in Redis. Invocations go through
+:class:`gateway.proxy.Invoker` to an instance chosen by the scheduler's router. Every error
+is a JSON ``{"error": {"type", "message"}}`` mapped to its HTTP status in one place
+(:data:`ERROR_STATUS`): 4xx for client mistakes; 503 (with ``Retry-After``) when a request
+is rejected early or Redis is away; 502 when an instance fails. An API key, when
 configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``.
-Invocation routing joins this app in the serving work.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from gateway.metrics import Metrics
+from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
 from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
+from scheduler.router import Rejected, Router, StartFailed
 from scheduler.spec import SpecError, parse_function, parse_function_yaml
 from scheduler.state import ClusterState
 
@@ -29,29 +37,72 @@ class Unauthorized(Exception):
     """Missing or wrong API key."""
 
 
+class ModelSourceError(Exception):
+    """The function's model source cannot be registered (HTTP 400 naming spec.model.source)."""
+
+
 ERROR_STATUS: dict[type[Exception], tuple[int, str]] = {
     SpecError: (400, "invalid_function_spec"),
+    ModelSourceError: (400, "invalid_model_source"),
+    BadRequest: (400, "invalid_request_error"),
     RequestValidationError: (400, "invalid_request_error"),
     Unauthorized: (401, "authentication_error"),
     FunctionNotFound: (404, "function_not_found"),
     StateConflict: (409, "conflict"),
+    InvocationError: (502, "instance_failed"),
+    Rejected: (503, "rejected"),
+    StartFailed: (503, "instance_start_failed"),
     StateUnavailable: (503, "state_unavailable"),
 }
+
+# (source, dtype) -> model record {id, dir, weight_bytes}; raises ModelSourceError
+Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     api_key: str | None = None  # required when the gateway listens beyond loopback
+    logs_dir: Path | None = None  # where instances' logs are (EMBER_HOME/logs)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and len(self.api_key) < 16:
             raise ValueError("an API key must be at least 16 characters")
 
 
-def create_app(state: ClusterState, config: GatewayConfig | None = None) -> FastAPI:
-    """The gateway's FastAPI app over ``state``."""
+@dataclass
+class Serving:
+    """The invocation side of a gateway: model registration, routing, forwarding."""
+
+    register: Registrar
+    router: Router
+    invoker: Invoker
+    metrics: Metrics
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(
+        default_factory=list
+    )  # run while serving
+
+
+def create_app(
+    state: ClusterState, config: GatewayConfig | None = None, serving: Serving | None = None
+) -> FastAPI:
+    """The gateway's FastAPI app over ``state``; without ``serving`` it only manages functions."""
     config = config or GatewayConfig()
-    app = FastAPI(title="Ember", version="0.1.0")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        import asyncio
+
+        tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(job()) for job in (serving.background if serving else [])
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
 
     def error(exc: Exception) -> JSONResponse:
         status, kind = next(
@@ -62,9 +113,14 @@ def create_app(state: ClusterState, config: GatewayConfig | None = None) -> Fast
             if isinstance(exc, RequestValidationError)
             else str(exc)
         )
-        return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+        headers = (
+            {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))} if isinstance(exc, Rejected) else None
+        )
+        return JSONResponse(
+            {"error": {"type": kind, "message": message}}, status_code=status, headers=headers
+        )
 
-    for cls in (SpecError, RequestValidationError, Unauthorized, SchedulerError):
+    for cls in (SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError):
         app.add_exception_handler(cls, lambda _req, exc: error(exc))
 
     async def authorize(request: Request) -> None:
@@ -91,8 +147,19 @@ def create_app(state: ClusterState, config: GatewayConfig | None = None) -> Fast
                 raise SpecError(f"malformed JSON: {exc}") from None
         else:
             spec = parse_function_yaml(raw)
+        handler = spec.spec.handler
+        if handler != "default":
+            path = Path(handler.rpartition(":")[0])
+            if not path.is_absolute() or not path.is_file():
+                raise SpecError(
+                    f"spec.handler: {path} is not a file on the server (give an absolute path; "
+                    f"`ember deploy -f` resolves it against the YAML's directory)"
+                )
+        model = None
+        if serving is not None:
+            model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
         document = spec.to_document()
-        state.put_function(spec.name, document)
+        state.put_function(spec.name, document, model)
         return document
 
     @app.get("/v1/functions", dependencies=auth)
@@ -106,7 +173,22 @@ def create_app(state: ClusterState, config: GatewayConfig | None = None) -> Fast
     @app.delete("/v1/functions/{name}", status_code=204, dependencies=auth)
     async def delete(name: str) -> Response:
         state.delete_function(name)
+        if serving is not None:
+            await serving.router.retire(name)
         return Response(status_code=204)
+
+    @app.get("/v1/functions/{name}/logs", dependencies=auth)
+    async def logs(name: str, tail: int = 200) -> PlainTextResponse:
+        state.get_function(name)  # 404 for unknown functions
+        directory = (config.logs_dir / "functions" / name) if config.logs_dir else None
+        if directory is None or not directory.is_dir():
+            return PlainTextResponse("")
+        files = sorted(directory.glob("instance-*.log"), key=lambda p: p.stat().st_mtime)
+        lines: list[str] = []
+        for path in files:
+            text = path.read_text(errors="replace").splitlines()
+            lines += [f"[{path.stem}] {line}" for line in text]
+        return PlainTextResponse("\n".join(lines[-max(1, min(tail, 10_000)) :]) + "\n")
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
@@ -118,16 +200,59 @@ def create_app(state: ClusterState, config: GatewayConfig | None = None) -> Fast
 
     @app.get("/v1/cluster", dependencies=auth)
     async def cluster() -> dict[str, Any]:
-        functions = state.list_functions()
+        records = state.list_records()
         return {
             "devices": state.devices(),
             "functions": {
-                name: [
-                    {"id": i.instance_id, "state": i.state, "device": i.device, "in_flight": i.in_flight}
-                    for i in state.instances(name)
-                ]
-                for name in functions
+                name: {
+                    "model": record.get("model"),
+                    "instances": [
+                        {
+                            "id": i.instance_id,
+                            "state": i.state,
+                            "device": i.device,
+                            "in_flight": i.in_flight,
+                            "url": i.url,
+                            **i.details,
+                        }
+                        for i in state.instances(name)
+                    ],
+                }
+                for name, record in records.items()
             },
         }
+
+    if serving is None:
+        return app
+    invoker = serving.invoker
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/functions/{name}/invoke", dependencies=auth)
+    async def invoke(name: str, request: Request) -> Response:
+        body = await request.body()
+        try:
+            json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the event is not valid JSON: {exc}") from None
+        return await invoker.forward(name, "/invoke", body, "invoke", request.headers.get("x-ember-timeout"))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        body = await request.body()
+        name, _ = request_model(body)
+        return await invoker.forward(
+            name, "/v1/chat/completions", body, "chat", request.headers.get("x-ember-timeout")
+        )
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        body = await request.body()
+        name, _ = request_model(body)
+        return await invoker.forward(
+            name, "/v1/completions", body, "completions", request.headers.get("x-ember-timeout")
+        )
 
     return app

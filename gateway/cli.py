@@ -5,14 +5,52 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``ember`` console script."""
+def _parser() -> argparse.ArgumentParser:
     from gpu_pool.cli import add_arguments
 
     parser = argparse.ArgumentParser(prog="ember", description="Ember: serverless LLM functions.")
     verbs = parser.add_subparsers(dest="verb", required=True)
+    serve = verbs.add_parser("serve", help="run the gateway, scheduler, Redis, a CPU pool and workers")
+    serve.add_argument("--host", default=None, help="listen address (EMBER_HOST, default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=None, help="listen port (EMBER_PORT, default 8080; 0 = any)"
+    )
+    serve.add_argument(
+        "--redis", default=None, help="external Redis URL (EMBER_REDIS_URL); default: embedded"
+    )
+    serve.add_argument("--arena", default=None, help="CPU pool arena size, e.g. 2GiB (EMBER_ARENA)")
+    serve.add_argument(
+        "--prewarm", type=int, default=None, help="pre-warmed workers kept ready (EMBER_PREWARM)"
+    )
+
+    def client(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument(
+            "--url", default=None, help="gateway URL (EMBER_URL; default: the running `ember serve`)"
+        )
+        return p
+
+    deploy = client(verbs.add_parser("deploy", help="deploy (or update) a function from YAML"))
+    deploy.add_argument("-f", "--file", required=True, type=Path)
+    invoke = client(verbs.add_parser("invoke", help="call a function"))
+    invoke.add_argument("name")
+    what = invoke.add_mutually_exclusive_group(required=True)
+    what.add_argument("-d", "--data", help="the event as JSON")
+    what.add_argument("-p", "--prompt", help="a user message (default handler) or {'prompt': ...} (custom)")
+    invoke.add_argument("--stream", action="store_true", help="print text as it is generated")
+    invoke.add_argument("--max-tokens", type=int, default=None)
+    invoke.add_argument("--timing", action="store_true", help="print time to first token and total on stderr")
+    client(verbs.add_parser("list", help="list deployed functions"))
+    for verb, text in (("describe", "show a function's spec with defaults"), ("delete", "delete a function")):
+        client(verbs.add_parser(verb, help=text)).add_argument("name")
+    logs = client(verbs.add_parser("logs", help="show a function's instance logs"))
+    logs.add_argument("name")
+    logs.add_argument("--tail", type=int, default=200)
+    status = client(verbs.add_parser("status", help="nodes, devices, residency and instances"))
+    status.add_argument("--socket", default=None, help="show one pool daemon's stats instead")
     pool = verbs.add_parser("pool", help="run a per-device memory pool daemon")
     add_arguments(pool)
     gen = verbs.add_parser("generate", help="complete a prompt with a model (registered on first use)")
@@ -31,53 +69,279 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--pool-socket", required=True, help="the device pool's socket")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
-    status = verbs.add_parser("status", help="show a pool's capacity, residency and reuse counters")
-    status.add_argument("--socket", required=True, help="the pool daemon's socket")
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.verb == "pool":
-        from gpu_pool.cli import config_from_args
-        from gpu_pool.daemon import run
-        from gpu_pool.errors import ConfigError
 
-        try:
-            config = config_from_args(args)
-        except ConfigError as exc:
-            print(f"ember pool: {exc}", file=sys.stderr)
-            return 2
-        return run(config)
-    if args.verb == "generate":
-        from runtime.engine.sampling import SamplingParams
-        from runtime.errors import EmberRuntimeError
-        from runtime.generate import generate
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ember`` console script."""
+    args = _parser().parse_args(argv)
+    handler = {
+        "serve": _serve, "pool": _pool, "generate": _generate, "worker": _worker, "deploy": _deploy,
+        "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
+        "status": _status,
+    }[args.verb]  # fmt: skip
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
 
-        try:
-            params = SamplingParams(
-                max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-            )
-            generate(args.model, args.prompt, args.dtype, args.chat, params, args.stream)
-        except (EmberRuntimeError, ValueError) as exc:
-            print(f"ember generate: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if args.verb == "worker":
-        from pathlib import Path
 
-        from runtime.worker import serve
+def _fail(verb: str, exc: Exception, code: int = 1) -> int:
+    print(f"ember {verb}: {exc}", file=sys.stderr)
+    return code
 
-        serve(args.name, Path(args.model_dir), args.pool_socket, args.host, args.port)
-        return 0
-    if args.verb == "status":
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.serve import ServeConfig, serve
+    from gpu_pool.errors import ConfigError
+
+    try:
+        config = ServeConfig.from_env(
+            host=args.host, port=args.port, redis_url=args.redis, prewarm=args.prewarm
+        )
+        if args.arena is not None:
+            from dataclasses import replace
+
+            from gpu_pool.config import parse_size
+
+            config = replace(config, arena_bytes=parse_size(args.arena, "--arena"))
+    except (ValueError, ConfigError) as exc:
+        return _fail("serve", exc, 2)
+    asyncio.run(serve(config))
+    return 0
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from gpu_pool.cli import config_from_args
+    from gpu_pool.daemon import run
+    from gpu_pool.errors import ConfigError
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        return _fail("pool", exc, 2)
+    return run(config)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from runtime.engine.sampling import SamplingParams
+    from runtime.errors import EmberRuntimeError
+    from runtime.generate import generate
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+        generate(args.model, args.prompt, args.dtype, args.chat, params, args.stream)
+    except (EmberRuntimeError, ValueError) as exc:
+        return _fail("generate", exc, 2)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from runtime.registry import load
+    from runtime.worker import serve
+    from scheduler.spec import parse_function
+
+    model = load(Path(args.model_dir))
+    spec = parse_function(
+        {"apiVersion": "ember.dev/v1", "kind": "Function", "metadata": {"name": args.name},
+         "spec": {"model": {"source": model.record["source"], "dtype": model.record["dtype"]}}}
+    ).to_document()  # fmt: skip
+    assignment = {
+        "instance_id": "0",
+        "spec": spec,
+        "model_dir": args.model_dir,
+        "pool_socket": args.pool_socket,
+    }
+    serve(args.host, args.port, [args.model_dir], assignment)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from gateway.client import GatewayClient, find_endpoint
+    from runtime.registry import ember_home
+
+    return GatewayClient(find_endpoint(args.url, ember_home()))
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    import yaml
+
+    from gateway.client import GatewayError
+
+    try:
+        document = yaml.safe_load(args.file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        return _fail("deploy", exc, 2)
+    spec = document.get("spec") if isinstance(document, dict) else None
+    handler = spec.get("handler") if isinstance(spec, dict) else None
+    if isinstance(handler, str) and ":" in handler and not handler.startswith("/"):
+        spec["handler"] = str((args.file.resolve().parent / handler).resolve())  # type: ignore[index]
+    print(
+        "deploying (the first deploy of a model registers it, which takes a few seconds)...", file=sys.stderr
+    )
+    try:
+        with _client(args) as gw:
+            created = gw.call("POST", "/v1/functions", json=document).json()
+    except GatewayError as exc:
+        return _fail("deploy", exc)
+    print(f"deployed {created['metadata']['name']}")
+    return 0
+
+
+def _invoke(args: argparse.Namespace) -> int:
+    import time
+
+    from gateway.client import GatewayError
+
+    try:
+        with _client(args) as gw:
+            spec = gw.call("GET", f"/v1/functions/{args.name}").json()
+            default = spec["spec"]["handler"] == "default"
+            if args.data is not None:
+                try:
+                    event = json.loads(args.data)
+                except json.JSONDecodeError as exc:
+                    return _fail("invoke", ValueError(f"-d is not valid JSON: {exc}"), 2)
+            elif default:
+                event = {"messages": [{"role": "user", "content": args.prompt}], "temperature": 0}
+            else:
+                event = {"prompt": args.prompt}
+            if isinstance(event, dict) and default:
+                if args.max_tokens is not None:
+                    event["max_tokens"] = args.max_tokens
+                event["stream"] = args.stream
+            path = f"/v1/functions/{args.name}/invoke"
+            t0 = time.perf_counter()
+            ttft = None
+            if args.stream:
+                for chunk in gw.stream(path, json.dumps(event).encode()):
+                    text = _chunk_text(chunk)
+                    if ttft is None and text:
+                        ttft = time.perf_counter() - t0
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+            else:
+                answer = gw.call("POST", path, json=event).json()
+                ttft = time.perf_counter() - t0
+                choices = answer.get("choices") if isinstance(answer, dict) else None
+                if default and choices:
+                    first = choices[0]
+                    print(first.get("message", {}).get("content", first.get("text", "")))
+                else:
+                    print(json.dumps(answer, indent=2))
+            if args.timing:
+                total = time.perf_counter() - t0
+                print(
+                    f"time to first token {1e3 * (ttft or total):.0f} ms, total {1e3 * total:.0f} ms",
+                    file=sys.stderr,
+                )
+    except GatewayError as exc:
+        return _fail("invoke", exc)
+    return 0
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices")
+    if not choices:
+        return json.dumps(chunk) + "\n"
+    first = choices[0]
+    return str(first.get("delta", {}).get("content") or first.get("text") or "")
+
+
+def _list(args: argparse.Namespace) -> int:
+    from gateway.client import GatewayError
+
+    try:
+        with _client(args) as gw:
+            functions = gw.call("GET", "/v1/functions").json()["functions"]
+            cluster = gw.call("GET", "/v1/cluster").json()["functions"]
+    except GatewayError as exc:
+        return _fail("list", exc)
+    print(f"{'NAME':<24} {'HANDLER':<10} {'MODEL':<48} INSTANCES")
+    for f in functions:
+        name = f["metadata"]["name"]
+        live = [i for i in cluster.get(name, {}).get("instances", []) if i["state"] in ("starting", "ready")]
+        handler = "default" if f["spec"]["handler"] == "default" else "custom"
+        print(f"{name:<24} {handler:<10} {f['spec']['model']['source'][:48]:<48} {len(live)}")
+    return 0
+
+
+def _describe(args: argparse.Namespace) -> int:
+    import yaml
+
+    from gateway.client import GatewayError
+
+    try:
+        with _client(args) as gw:
+            spec = gw.call("GET", f"/v1/functions/{args.name}").json()
+    except GatewayError as exc:
+        return _fail("describe", exc)
+    print(yaml.safe_dump(spec, sort_keys=False), end="")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from gateway.client import GatewayError
+
+    try:
+        with _client(args) as gw:
+            gw.call("DELETE", f"/v1/functions/{args.name}")
+    except GatewayError as exc:
+        return _fail("delete", exc)
+    print(f"deleted {args.name}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from gateway.client import GatewayError
+
+    try:
+        with _client(args) as gw:
+            print(gw.call("GET", f"/v1/functions/{args.name}/logs", params={"tail": args.tail}).text, end="")
+    except GatewayError as exc:
+        return _fail("logs", exc)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from gateway.client import GatewayError
+
+    if args.socket is not None:
         from gpu_pool.client import PoolClient
 
         try:
-            with PoolClient(args.socket) as client:
-                print(json.dumps(client.stats(), indent=2))
+            with PoolClient(args.socket) as pool:
+                print(json.dumps(pool.stats(), indent=2))
         except ConnectionError as exc:
-            print(f"ember status: {exc}", file=sys.stderr)
-            return 1
+            return _fail("status", exc)
         return 0
-    raise AssertionError(args.verb)
+    try:
+        with _client(args) as gw:
+            cluster = gw.call("GET", "/v1/cluster").json()
+    except GatewayError as exc:
+        return _fail("status", exc)
+    for device_id, d in cluster["devices"].items():
+        gib = 1 << 30
+        print(
+            f"device {device_id}: capacity {d['capacity_bytes'] / gib:.2f} GiB, "
+            f"free {d['free_bytes'] / gib:.2f} GiB, "
+            f"resident {d['resident_bytes'] / 1e6:.0f} MB (pinned {d['pinned_bytes'] / 1e6:.0f} MB), "
+            f"loaded {d['bytes_loaded'] / 1e6:.0f} MB, reused {d['bytes_reused'] / 1e6:.0f} MB, "
+            f"warm workers {d.get('warm_workers', 0)}"
+        )
+        for model_id, nbytes in d.get("models", {}).items():
+            print(f"  resident model {model_id}: {nbytes / 1e6:.0f} MB")
+    for name, f in cluster["functions"].items():
+        print(f"function {name}:")
+        for i in f["instances"]:
+            extra = f", loaded {int(i['bytes_loaded']) / 1e6:.0f} MB" if "bytes_loaded" in i else ""
+            print(f"  instance {i['id']} {i['state']} on {i['device']}, in flight {i['in_flight']}{extra}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""A function instance: one worker process serving one registered model over HTTP.
+"""A worker process: pre-warmed first, then one function instance serving over HTTP.
 
-It attaches to its device's pool, binds the model to the pool's tensor views (no copies),
-builds the engine from the materialized profile (no profiling) and serves
-OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (plain JSON or SSE
-chunks with ``usage``) plus ``/healthz``. The gateway proxies invocations here. On
-SIGTERM the server stops, the engine returns its KV blocks and the pool session closes, so
-the weights stay resident, inactive, for the next instance.
+A pre-warmed worker (TIDAL's process pool) has torch and the runtime imported, its HTTP
+server listening and the templates of registered models loaded (tokenizer, chat template,
+profile), but no function. ``POST /_ember/assign`` turns it into an instance: it attaches to
+its device's pool, binds the model to the pool's tensor views (resident tensors are not
+copied), builds the engine from the materialized profile and, for a custom handler, runs
+its static initializer. It then serves OpenAI-compatible ``/v1/chat/completions`` and
+``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke`` (the function's handler).
+On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
+so the weights stay resident, inactive, for the next instance.
 """
 
 from __future__ import annotations
@@ -16,268 +19,279 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.chat import ChatTemplateError, render_chat
-from runtime.engine.engine import Engine, EngineConfig, StepOutput
-from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import KVCacheExhausted
-from runtime.registry import RegisteredModel, load
+from runtime.errors import EmberRuntimeError
+from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
+from runtime.openai_api import (
+    RequestError,
+    completion_body,
+    parse_request,
+    sse_chunks,
+    sse_event,
+)
+from runtime.priority import set_idle_priority
+from runtime.sdk import LLM, HandlerRunner, load_handler
 
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stream: bool = False
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str
-
-
-class RequestError(Exception):
-    """A client mistake: answered with HTTP 400 and an OpenAI-style error body."""
+DEFAULT_HANDLER = "default"
 
 
 @dataclass
-class Worker:
-    """The engine of one function plus what the HTTP layer needs around it."""
+class Assignment:
+    """The function this worker serves and what serves it."""
 
-    name: str
-    model: RegisteredModel
-    engine: Engine
-    tokenizer_config: dict[str, Any]
-    max_tokens_default: int
+    instance_id: str
+    spec: dict[str, Any]
+    binding: ModelBinding
+    client: Any  # gpu_pool.client.PoolClient
+    runner: HandlerRunner | None  # None for the default (chat/completions) handler
+    driver: asyncio.Task[None]
 
-    def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
-        if isinstance(request, ChatRequest):
-            messages = [m.model_dump() for m in request.messages]
-            try:
-                text = render_chat(
-                    self.tokenizer_config.get("chat_template"), messages, self.tokenizer_config
-                )
-            except ChatTemplateError as exc:
-                raise RequestError(str(exc)) from None
-        else:
-            text = request.prompt
-        ids: list[int] = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
-        if not ids:
-            raise RequestError("the prompt is empty")
-        return ids
+    @property
+    def name(self) -> str:
+        return str(self.spec["metadata"]["name"])
 
-    def params(self, request: _Sampling, prompt_len: int) -> SamplingParams:
-        stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-        max_tokens = request.max_tokens or min(self.max_tokens_default, self.engine.max_context - prompt_len)
-        if max_tokens < 1 or prompt_len + max_tokens > self.engine.max_context:
-            raise RequestError(
-                f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it exceeds the model's "
-                f"context of {self.engine.max_context} tokens"
-            )
+
+@dataclass
+class WorkerState:
+    """Everything a worker holds: preloaded templates and, once assigned, its function."""
+
+    templates: dict[str, ModelTemplate] = field(default_factory=dict)
+    assignment: Assignment | None = None
+    assigning: bool = False
+
+    def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
+        """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
+        if model_dir not in self.templates:
+            template = load_template(Path(model_dir))
+            if warm:
+                warm_up(template)
+            self.templates[model_dir] = template
+        return self.templates[model_dir]
+
+    def close(self) -> None:
+        a = self.assignment
+        if a is not None:
+            a.driver.cancel()
+            a.binding.engine.close()
+            a.client.close()
+            self.assignment = None
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
+    """Become an instance of ``body["spec"]``'s function (see module docstring)."""
+    from gpu_pool.client import PoolClient
+
+    t0 = time.perf_counter()
+    set_idle_priority(False)
+    spec = body["spec"]
+    template = state.templates.get(body["model_dir"])
+    if template is None:
+        template = await asyncio.to_thread(state.template, body["model_dir"])
+    t_template = time.perf_counter()
+
+    def attach() -> tuple[ModelBinding, Any]:
+        client = PoolClient(body["pool_socket"])
         try:
-            return SamplingParams(
-                max_tokens=max(1, max_tokens),
-                temperature=request.temperature,
-                top_p=request.top_p,
-                seed=request.seed,
-                stop=stop,
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-            )
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
+            return bind(template, client, int(spec["spec"]["maxTokens"])), client
+        except BaseException:
+            client.close()
+            raise
+
+    binding, client = await asyncio.to_thread(attach)
+    loop = asyncio.get_running_loop()
+    driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
+    runner = None
+    try:
+        if spec["spec"]["handler"] != DEFAULT_HANDLER:
+            runner = HandlerRunner(load_handler(spec["spec"]["handler"]), spec, LLM(binding, loop))
+            await runner.setup(float(body.get("deadline") or time.time() + 300))
+    except BaseException:
+        driver.cancel()
+        binding.engine.close()
+        client.close()
+        raise
+    state.assignment = Assignment(str(body["instance_id"]), spec, binding, client, runner, driver)
+    timings = {"template_ms": (t_template - t0) * 1e3, **binding.timings_ms}
+    timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
+    return {"instance_id": body["instance_id"], "timings_ms": timings, "acquire": binding.acquire_report}
 
 
-def build_app(worker: Worker) -> FastAPI:
-    """The FastAPI app of a worker."""
+def build_app(state: WorkerState) -> FastAPI:
+    """The FastAPI app of a worker (pre-warmed until assigned)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        driver = asyncio.create_task(worker.engine.run_forever())  # steps the engine between requests
         try:
             yield
         finally:
-            driver.cancel()
-            worker.engine.close()
+            state.close()
 
-    app = FastAPI(title=f"ember worker: {worker.name}", lifespan=lifespan)
-
-    def error(status: int, kind: str, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+    app = FastAPI(title="ember worker", lifespan=lifespan)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "function": worker.name, "model": worker.model.model_id}
-
-    async def handle(raw: Request, chat: bool) -> Any:
-        try:
-            body = await raw.json()
-        except json.JSONDecodeError as exc:
-            return error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
-        try:
-            request = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
-            ids = worker.encode(request)
-            params = worker.params(request, len(ids))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return error(400, "invalid_request_error", f"{where}: {first['msg']}")
-        except RequestError as exc:
-            return error(400, "invalid_request_error", str(exc))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        stream = worker.engine.stream(ids, params)
-        if request.stream:
-            return StreamingResponse(
-                _sse(stream, rid, worker.name, chat, len(ids)), media_type="text/event-stream"
-            )
-        text, n, reason = "", 0, None
-        try:
-            async for out in stream:
-                text += out.text_delta
-                n += 1
-                reason = out.finish_reason
-        except KVCacheExhausted as exc:
-            return error(503, "kv_cache_exhausted", str(exc))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason.value if reason else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        a = state.assignment
+        if a is None:
+            return {"status": "ok", "state": "idle", "templates": sorted(state.templates)}
+        model = a.binding.template.model.model_id
         return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": worker.name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
+            "status": "ok",
+            "state": "serving",
+            "function": a.name,
+            "instance_id": a.instance_id,
+            "model": model,
         }
+
+    @app.post("/_ember/preload")
+    async def preload(raw: Request) -> Any:
+        body = await raw.json()
+        try:
+            await asyncio.to_thread(state.template, str(body["model_dir"]), True)
+        except (KeyError, EmberRuntimeError, OSError) as exc:
+            return _error(400, "preload_failed", f"{type(exc).__name__}: {exc}")
+        return {"templates": sorted(state.templates)}
+
+    @app.post("/_ember/assign")
+    async def assign_route(raw: Request) -> Any:
+        if state.assignment is not None or state.assigning:
+            return _error(409, "already_assigned", "this worker already serves a function")
+        state.assigning = True
+        try:
+            return await assign(state, await raw.json())
+        except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
+            return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # the handler's own initializer failed: a function error
+            return _error(500, "function_init_failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            state.assigning = False
+
+    def serving() -> Assignment | JSONResponse:
+        a = state.assignment
+        return a if a is not None else _error(409, "not_assigned", "this worker serves no function yet")
+
+    async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
+        a = serving()
+        if isinstance(a, JSONResponse):
+            return a
+        if body is None:
+            try:
+                body = await raw.json()
+            except json.JSONDecodeError as exc:
+                return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+        try:
+            request = parse_request(body, chat)
+            ids = a.binding.encode(request)
+            params = a.binding.params(request, len(ids))
+        except RequestError as exc:
+            return _error(400, "invalid_request_error", str(exc))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if request.stream:
+            stream = a.binding.engine.stream(ids, params)
+            chunks = sse_chunks(stream, rid, a.name, chat, len(ids))
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            done = await a.binding.complete(ids, params)
+        except KVCacheExhausted as exc:
+            return _error(503, "kv_cache_exhausted", str(exc))
+        return completion_body(rid, a.name, chat, done)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:
-        return await handle(raw, chat=True)
+        return await openai(raw, chat=True)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Any:
-        return await handle(raw, chat=False)
+        return await openai(raw, chat=False)
+
+    @app.post("/invoke")
+    async def invoke(raw: Request) -> Any:
+        a = serving()
+        if isinstance(a, JSONResponse):
+            return a
+        try:
+            event = await raw.json()
+        except json.JSONDecodeError as exc:
+            return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+        if a.runner is None:  # the default handler: an event is a chat or a completion request
+            if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
+                return _error(
+                    400, "invalid_request_error", "the event needs exactly one of 'messages' or 'prompt'"
+                )
+            return await openai(raw, chat="messages" in event, body=event)
+        rid = raw.headers.get("x-ember-request-id") or uuid.uuid4().hex
+        deadline = float(raw.headers.get("x-ember-deadline") or time.time() + 300)
+        try:
+            result = await a.runner.invoke(event, rid, deadline)
+        except RequestError as exc:
+            return _error(400, "invalid_request_error", str(exc))
+        except KVCacheExhausted as exc:
+            return _error(503, "kv_cache_exhausted", str(exc))
+        except Exception as exc:  # the function's own code failed
+            a.runner.logger.exception("request %s failed", rid)
+            return _error(500, "function_error", f"{type(exc).__name__}: {exc}")
+        if hasattr(result, "__aiter__"):
+
+            async def events() -> AsyncIterator[bytes]:
+                async for item in result:
+                    yield sse_event(item)
+                yield sse_event("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse(result)
 
     return app
 
 
-async def _sse(
-    stream: AsyncIterator[StepOutput], rid: str, model: str, chat: bool, prompt_tokens: int
-) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    n = 0
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    preload: list[str] | None = None,
+    assignment: dict[str, Any] | None = None,
+) -> None:
+    """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
-    def chunk(delta: str | None, reason: str | None, usage: dict[str, int] | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["delta"] = {"content": delta} if delta is not None else {"role": "assistant"}
-        else:
-            choice["text"] = delta or ""
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": kind,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n".encode()
-
-    if chat:
-        yield chunk(None, None)
-    try:
-        async for out in stream:
-            n += 1
-            reason = out.finish_reason.value if out.finish_reason else None
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": n,
-                "total_tokens": prompt_tokens + n,
-            }
-            if out.text_delta or reason:
-                yield chunk(out.text_delta, reason, usage if reason else None)
-    except KVCacheExhausted as exc:  # one error event, as OpenAI streams do
-        yield f"data: {json.dumps({'error': {'type': exc.code, 'message': str(exc)}})}\n\n".encode()
-    yield b"data: [DONE]\n\n"
-
-
-def start_worker(name: str, model_dir: Path, pool_socket: str, max_tokens: int = 2048) -> tuple[Worker, Any]:
-    """Attach to the pool, bind the model, build the engine; returns the worker and its client."""
-    import torch
-    from tokenizers import Tokenizer
-
-    from gpu_pool.client import PoolClient
-    from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view
-    from runtime.generate import eos_ids
-    from runtime.models.llama import LlamaConfig, LlamaModel
-
-    model = load(model_dir)
-    profile = model.profile("cpu")
-    client = PoolClient(pool_socket)
-    config = LlamaConfig.from_hf(model.config)
-    dtype = getattr(torch, profile["kv_dtype"])
-    llama = LlamaModel(config, client.acquire(model.manifest()))
-    kv = arena_kv_view(client.arena(), config, profile["block_size"], dtype, profile["kv_block_bytes"])
-    tok = Tokenizer.from_file(str(model.directory / "tokenizer.json"))
-    engine = Engine(
-        llama,
-        tok,
-        kv,
-        PoolBlockSource(client, profile["kv_block_bytes"]),
-        eos_ids(model, tok),
-        EngineConfig(profile["block_size"]),
-    )
-    tok_cfg = json.loads((model.directory / "tokenizer_config.json").read_text())
-    return Worker(name, model, engine, tok_cfg, max_tokens), client
-
-
-def serve(name: str, model_dir: Path, pool_socket: str, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Run a worker until SIGTERM; prints one JSON readiness line with its URL."""
+    ``preload`` lists model directories whose templates are loaded before readiness;
+    ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness.
+    """
+    import os
     import socket
+    import sys
 
     import uvicorn
 
-    worker, client = start_worker(name, model_dir, pool_socket)
+    state = WorkerState()
+    for model_dir in preload or []:
+        state.template(model_dir, warm=True)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(build_app(worker), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="on"))
 
     async def main() -> None:
+        if assignment is not None:
+            await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
-            await asyncio.sleep(0.01)
-        print(json.dumps({"event": "ready", "url": url, "function": name}), flush=True)
+            if task.done():
+                await task
+            await asyncio.sleep(0.005)
+        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # later prints go to the log, not the pipe
         await task
 
     try:
         asyncio.run(main())
     finally:
-        client.close()
+        state.close()

@@ -33,7 +33,8 @@ class SpecError(ValueError):
     """A function spec is invalid; the message names the field."""
 
 
-def _parse_duration(value: Any) -> float:
+def parse_duration(value: Any) -> float:
+    """Seconds in a duration (``250ms``, ``10s``, ``1.5m``, ``1h`` or a number of seconds)."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 10s or 250ms")
     if isinstance(value, int | float):
@@ -55,7 +56,7 @@ def _format_duration(seconds: float) -> str:
 
 
 Duration = Annotated[
-    float, BeforeValidator(_parse_duration), PlainSerializer(_format_duration, return_type=str)
+    float, BeforeValidator(parse_duration), PlainSerializer(_format_duration, return_type=str)
 ]
 
 

@@ -8,7 +8,7 @@ connection errors (a Redis restart while idle is survived).
 
 Keys (``prefix`` defaults to ``ember:``)::
 
-    {p}functions              hash  name -> {"v": 1, "spec": {...}, "updated": t}
+    {p}functions              hash  name -> {"v": 1, "spec": {...}, "model": {...} | null, "updated": t}
     {p}fn:{name}:instances    set   instance ids of a function
     {p}instance:{id}          hash  function, state, device, url, in_flight, deadline, created
     {p}device:{id}            string {"v": 1, ...pool report..., "updated": t}
@@ -34,6 +34,7 @@ LIVE_STATES = ("starting", "ready")
 STATES = ("starting", "ready", "draining", "gone")
 
 _T = TypeVar("_T")
+_INSTANCE_FIELDS = frozenset({"v", "function", "state", "device", "url", "in_flight", "deadline", "created"})
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
 # ARGV: desired, function, device, now, prefix. Returns the new id or false.
@@ -120,6 +121,7 @@ class Instance:
     in_flight: int
     deadline: float
     created: float
+    details: dict[str, str]  # what the start measured: pid, bytes_loaded, bytes_reused, start_ms, log
 
 
 class ClusterState:
@@ -159,19 +161,35 @@ class ClusterState:
 
     # ----- functions ---------------------------------------------------------------------
 
-    def put_function(self, name: str, spec_document: dict[str, Any]) -> None:
-        value = json.dumps({"v": ENCODING_VERSION, "spec": spec_document, "updated": time.time()})
-        self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
+    def put_function(
+        self, name: str, spec_document: dict[str, Any], model: dict[str, Any] | None = None
+    ) -> None:
+        """Store a function's spec and, once registered, its model (id, dir, weight_bytes)."""
+        record = {"v": ENCODING_VERSION, "spec": spec_document, "model": model, "updated": time.time()}
+        self._call(lambda: self.r.hset(f"{self.p}functions", name, json.dumps(record)))
 
     def get_function(self, name: str) -> dict[str, Any]:
+        return self.get_record(name)["spec"]  # type: ignore[no-any-return]
+
+    def get_record(self, name: str) -> dict[str, Any]:
+        """The whole function record: ``spec``, ``model`` (None before registration), ``updated``."""
         raw = self._call(lambda: self.r.hget(f"{self.p}functions", name))
         if raw is None:
             raise FunctionNotFound(f"function {name!r} is not deployed")
-        return _decode(raw)["spec"]  # type: ignore[no-any-return]
+        return _decode(raw)
 
     def list_functions(self) -> dict[str, dict[str, Any]]:
+        return {name: record["spec"] for name, record in self.list_records().items()}
+
+    def list_records(self) -> dict[str, dict[str, Any]]:
         raw = self._call(lambda: self.r.hgetall(f"{self.p}functions"))
-        return {name: _decode(v)["spec"] for name, v in sorted(raw.items())}
+        return {name: _decode(v) for name, v in sorted(raw.items())}
+
+    def functions_with_instances(self) -> list[str]:
+        """Every function name that has instance records (deleted functions included)."""
+        pattern = f"{self.p}fn:*:instances"
+        keys = self._call(lambda: [str(k) for k in self.r.scan_iter(pattern)])
+        return sorted(k[len(f"{self.p}fn:") : -len(":instances")] for k in keys)
 
     def delete_function(self, name: str) -> None:
         if not self._call(lambda: self.r.hdel(f"{self.p}functions", name)):
@@ -236,6 +254,7 @@ class ClusterState:
                     Instance(
                         str(i), h["function"], h["state"], h["device"], h["url"],
                         int(h["in_flight"]), float(h["deadline"]), float(h["created"]),
+                        {k: v for k, v in h.items() if k not in _INSTANCE_FIELDS},
                     )
                 )  # fmt: skip
         return out

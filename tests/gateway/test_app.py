@@ -51,7 +51,9 @@ def test_deploy_describe_list_delete(state: ClusterState) -> None:
             "smollm2-chat"
         ]
         assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-chat"
-        assert http.get("/v1/cluster").json()["functions"] == {"smollm2-chat": []}
+        assert http.get("/v1/cluster").json()["functions"] == {
+            "smollm2-chat": {"model": None, "instances": []}
+        }
         assert http.delete("/v1/functions/smollm2-chat").status_code == 204
         missing = http.get("/v1/functions/smollm2-chat")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "function_not_found"

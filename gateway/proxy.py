@@ -1,0 +1,183 @@
+"""Forwarding one invocation to an instance: route, send with httpx, stream back, release.
+
+Connections to workers are pooled (one ``httpx.AsyncClient`` per gateway). A JSON answer
+is read whole and returned; an SSE answer is passed through chunk by chunk as it arrives.
+If the worker dies before answering, the request is routed again (the dead instance is
+forgotten); if it dies mid-stream the client gets one ``error`` event and ``[DONE]``,
+as OpenAI streams end on errors. The instance's slot is released in every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from gateway.metrics import Metrics
+from scheduler.errors import SchedulerError, StateConflict
+from scheduler.router import Route, Router, keep_alive_s
+from scheduler.state import ClusterState
+
+
+class InvocationError(SchedulerError):
+    """The instance failed while answering (HTTP 502)."""
+
+    code = "instance_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    request_timeout_s: float = 300.0  # default deadline of a request (X-Ember-Timeout overrides)
+    connect_retries: int = 2  # re-routes after an instance refused the connection
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0 or self.connect_retries < 0:
+            raise ValueError("request_timeout_s must be > 0 and connect_retries >= 0")
+
+
+class Invoker:
+    """The invocation path of the gateway."""
+
+    def __init__(self, state: ClusterState, router: Router, metrics: Metrics, config: ProxyConfig) -> None:
+        self.state = state
+        self.router = router
+        self.metrics = metrics
+        self.config = config
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        self.http = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(config.request_timeout_s, connect=5.0)
+        )
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def deadline(self, timeout_header: str | None) -> float:
+        timeout = self.config.request_timeout_s
+        if timeout_header:
+            try:
+                timeout = min(timeout, float(timeout_header))
+            except ValueError:
+                raise SchedulerError("X-Ember-Timeout must be a number of seconds") from None
+        return time.time() + max(0.0, timeout)
+
+    async def forward(
+        self, name: str, path: str, body: bytes, route_label: str, timeout: str | None
+    ) -> Response:
+        """Send ``body`` to ``path`` on an instance of ``name``; returns the response to relay."""
+        t0 = time.perf_counter()
+        record = await asyncio.to_thread(self.state.get_record, name)
+        deadline = self.deadline(timeout)
+        request_id = uuid.uuid4().hex
+        headers = {
+            "content-type": "application/json",
+            "x-ember-request-id": request_id,
+            "x-ember-deadline": f"{deadline:.3f}",
+        }
+        keep_alive = keep_alive_s(record)
+        for attempt in range(self.config.connect_retries + 1):
+            route = await self.router.route(name, record, deadline)
+            if not route.cold:
+                self.metrics.route.labels(name).observe(time.perf_counter() - t0)
+            request = self.http.build_request("POST", route.url + path, content=body, headers=headers)
+            try:
+                upstream = await self.http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                await self._lost(name, route, keep_alive)
+                if attempt == self.config.connect_retries:
+                    raise InvocationError(
+                        f"instance {route.instance_id} of {name!r} is unreachable: {exc}"
+                    ) from None
+                continue
+            break
+
+        async def finish(status: int) -> None:
+            elapsed = time.perf_counter() - t0
+            self.metrics.requests.labels(name, route_label, str(status)).inc()
+            self.metrics.latency.labels(name).observe(elapsed)
+            await self.router.done(name, route, keep_alive, elapsed)
+
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                await finish(502)
+                self.metrics.errors.labels(name, "instance_failed").inc()
+                raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
+            self.metrics.ttft.labels(name).observe(time.perf_counter() - t0)
+            if upstream.status_code >= 400:
+                self.metrics.errors.labels(name, _error_type(content)).inc()
+            return Response(
+                content,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+                background=BackgroundTask(finish, upstream.status_code),
+            )
+
+        async def relay() -> AsyncIterator[bytes]:
+            first = True
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if first:
+                        self.metrics.ttft.labels(name).observe(time.perf_counter() - t0)
+                        first = False
+                    yield chunk
+            except httpx.HTTPError as exc:
+                self.metrics.errors.labels(name, "instance_failed").inc()
+                error = {
+                    "error": {"type": "instance_failed", "message": f"the instance failed mid-stream: {exc}"}
+                }
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                await self._lost(name, route, None)
+            finally:
+                # Shielded: when the client hangs up, Starlette cancels this generator, and the
+                # slot must still be released and the upstream connection closed.
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+                    await finish(upstream.status_code)
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream")
+
+    async def _lost(self, name: str, route: Route, keep_alive: float | None) -> None:
+        """The instance behind ``route`` did not answer: forget it if its process is gone."""
+        await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
+        if not self.router.launcher.alive(route.instance_id):
+            with contextlib.suppress(StateConflict):
+                await asyncio.to_thread(self.state.transition, route.instance_id, "ready", "gone")
+            await asyncio.to_thread(self.state.forget_instance, name, route.instance_id)
+        elif keep_alive is not None:
+            await self.router.done(name, route, keep_alive, 0.0)
+
+
+def _error_type(content: bytes) -> str:
+    try:
+        return str(json.loads(content)["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def request_model(body: bytes) -> tuple[str, Any]:
+    """The function an OpenAI request names in ``model``, or a :class:`SchedulerError` (HTTP 400)."""
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
+        raise BadRequest("model: the name of a deployed function is required")
+    return parsed["model"], parsed
+
+
+class BadRequest(SchedulerError):
+    """A malformed invocation (HTTP 400)."""
+
+    code = "invalid_request_error"

@@ -1,0 +1,26 @@
+"""``python -m runtime``: a worker process (what the node agent starts for its pre-warmed pool)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="An Ember worker process.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
+    parser.add_argument("--preload", action="append", default=[], help="registered model directory")
+    args = parser.parse_args(argv)
+    from runtime.priority import set_idle_priority
+
+    set_idle_priority(True)  # until assigned: import and warm up only on cores instances leave free
+    import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)
+    from runtime.worker import serve
+
+    serve(args.host, args.port, args.preload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

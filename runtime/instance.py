@@ -1,0 +1,163 @@
+"""A function instance's model binding: tensors from the pool, engine, tokenizer, request encoding.
+
+A :class:`ModelTemplate` is everything about a registered model that does not depend on the
+pool (tokenizer, chat template, config, materialized profile). Pre-warmed workers build
+templates ahead of time (TIDAL's templates), because ``Tokenizer.from_file`` alone costs
+about 186 ms on SmolLM2 (DESIGN.md, cold-start budget). :func:`bind` then turns a template
+into a serving :class:`ModelBinding` from resident tensors: pool acquire, model views, KV
+view, engine, with the time of each step recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.chat import ChatTemplateError, render_chat
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.openai_api import ChatRequest, Completion, CompletionRequest, RequestError, sampling_params
+from runtime.registry import RegisteredModel, load
+
+
+@dataclass(frozen=True)
+class ModelTemplate:
+    """What an instance of a registered model needs before it touches the pool."""
+
+    model: RegisteredModel
+    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer_config: dict[str, Any]
+    eos_ids: frozenset[int]
+    profile: dict[str, Any]
+
+
+def load_template(model_dir: Path) -> ModelTemplate:
+    """Read a registered model's tokenizer, chat template, EOS ids and CPU profile."""
+    from tokenizers import Tokenizer
+
+    from runtime.generate import eos_ids
+
+    model = load(model_dir)
+    tok = Tokenizer.from_file(str(model.directory / "tokenizer.json"))
+    cfg_path = model.directory / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return ModelTemplate(model, tok, tok_cfg, frozenset(eos_ids(model, tok)), model.profile("cpu"))
+
+
+def warm_up(
+    template: ModelTemplate, prompt_lengths: tuple[int, ...] = (8, 24, 48), decode_steps: int = 4
+) -> float:
+    """Run the engine once on zero weights of the template's shapes; returns the seconds spent.
+
+    A fresh process pays several hundred milliseconds on its first forward passes (oneDNN
+    primitive creation per matmul shape, thread-pool start, allocator growth). A pre-warmed
+    worker pays them here, with private zero weights of the model's exact shapes, so an
+    instance's first request runs as fast as a warm one. Weights and KV are freed afterwards.
+    """
+    import torch
+
+    from runtime.engine.kv_storage import private_kv
+    from runtime.models.llama import LlamaConfig, LlamaModel
+
+    t0 = time.perf_counter()
+    manifest = template.model.manifest()
+    dtype = getattr(torch, template.profile["kv_dtype"])
+    weights = {e.name: torch.zeros(tuple(e.shape), dtype=getattr(torch, e.dtype)) for e in manifest.tensors}
+    config = LlamaConfig.from_hf(template.model.config)
+    block_size = template.profile["block_size"]
+    num_blocks = -(-(max(prompt_lengths) + decode_steps) // block_size) * len(prompt_lengths)
+    kv, source = private_kv(config, block_size, dtype, num_blocks)
+    engine = Engine(LlamaModel(config, weights), template.tokenizer, kv, source, set(template.eos_ids),
+                    EngineConfig(block_size))  # fmt: skip
+    params = SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True)
+    for n in prompt_lengths:  # one at a time, then all together (batched decode)
+        engine.generate([[1] * n], params)
+    engine.generate([[1] * n for n in prompt_lengths], params)
+    engine.close()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class ModelBinding:
+    """The engine of one instance plus request encoding in the model's own format."""
+
+    template: ModelTemplate
+    engine: Engine
+    max_tokens_default: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    acquire_report: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
+        """Token ids of a chat (rendered with the model's template) or completion prompt."""
+        if isinstance(request, ChatRequest):
+            return self.encode_chat([m.model_dump() for m in request.messages])
+        return self.encode_text(request.prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        cfg = self.template.tokenizer_config
+        try:
+            text = render_chat(cfg.get("chat_template"), messages, cfg)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc)) from None
+        return self.encode_text(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        ids: list[int] = self.template.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def params(self, request: ChatRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
+        return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default)
+
+    async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
+        """Run one request to completion."""
+        text, n, reason = "", 0, None
+        async for out in self.engine.stream(ids, params):
+            text += out.text_delta
+            n += 1
+            reason = out.finish_reason
+        return Completion(text, len(ids), n, reason.value if reason else None)
+
+
+def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
+    """Build a serving engine from the pool: acquire (resident tensors are not copied), views, KV.
+
+    ``client`` is a connected :class:`gpu_pool.client.PoolClient`; it stays open for as long
+    as the binding serves (closing it releases the weights, which stay resident).
+    """
+    import torch
+
+    from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view
+    from runtime.models.llama import LlamaConfig, LlamaModel
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    profile = template.profile
+    tensors = client.acquire(template.model.manifest())
+    t1 = time.perf_counter()
+    timings["acquire_ms"] = (t1 - t0) * 1e3
+    config = LlamaConfig.from_hf(template.model.config)
+    dtype = getattr(torch, profile["kv_dtype"])
+    llama = LlamaModel(config, tensors)
+    kv = arena_kv_view(client.arena(), config, profile["block_size"], dtype, profile["kv_block_bytes"])
+    engine = Engine(
+        llama,
+        template.tokenizer,
+        kv,
+        PoolBlockSource(client, profile["kv_block_bytes"]),
+        set(template.eos_ids),
+        EngineConfig(profile["block_size"]),
+    )
+    timings["build_ms"] = (time.perf_counter() - t1) * 1e3
+    report = client.last_acquire
+    acquired = {
+        "bytes_loaded": report.bytes_loaded,
+        "bytes_reused": report.bytes_reused,
+        "bytes_moved": report.bytes_moved,
+        "load_seconds": report.load_seconds,
+    }
+    return ModelBinding(template, engine, max_tokens, timings, acquired)

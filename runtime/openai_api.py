@@ -1,0 +1,160 @@
+"""The OpenAI wire format a worker speaks: request models, validation, responses, SSE chunks.
+
+Kept apart from the worker's lifecycle so the SDK (``context.model``) and the HTTP routes
+share one definition of what a valid request is and how a completion is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime.engine.engine import StepOutput
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import KVCacheExhausted
+
+
+class RequestError(Exception):
+    """A client mistake: answered with HTTP 400 and an OpenAI-style error body."""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str
+
+
+def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
+    """Validate a request body; :class:`RequestError` names the first bad field."""
+    try:
+        return ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(body)"
+        raise RequestError(f"{where}: {first['msg']}") from None
+
+
+def sampling_params(
+    request: SamplingFields, prompt_len: int, max_context: int, default_max: int
+) -> SamplingParams:
+    """Sampling parameters for a prompt of ``prompt_len`` tokens, or :class:`RequestError`."""
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    max_tokens = request.max_tokens or min(default_max, max_context - prompt_len)
+    if max_tokens < 1 or prompt_len + max_tokens > max_context:
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it exceeds the model's "
+            f"context of {max_context} tokens"
+        )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=stop,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished completion (what ``context.model`` returns to a handler)."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+
+
+def completion_body(rid: str, model: str, chat: bool, done: Completion) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` / ``text_completion`` response."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+        },
+    }
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON (or the literal ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+async def sse_chunks(
+    stream: AsyncIterator[StepOutput], rid: str, model: str, chat: bool, prompt_tokens: int
+) -> AsyncIterator[bytes]:
+    """OpenAI streaming chunks for one request; the last carries ``usage``, then ``[DONE]``."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    n = 0
+
+    def chunk(delta: str | None, reason: str | None, usage: dict[str, int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        if chat:
+            choice["delta"] = {"content": delta} if delta is not None else {"role": "assistant"}
+        else:
+            choice["text"] = delta or ""
+        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model}
+        body["choices"] = [choice]
+        if usage is not None:
+            body["usage"] = usage
+        return sse_event(body)
+
+    if chat:
+        yield chunk(None, None)
+    try:
+        async for out in stream:
+            n += 1
+            reason = out.finish_reason.value if out.finish_reason else None
+            if out.text_delta or reason:
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                }
+                yield chunk(out.text_delta, reason, usage if reason else None)
+    except KVCacheExhausted as exc:  # one error event, as OpenAI streams do
+        yield sse_event({"error": {"type": exc.code, "message": str(exc)}})
+    yield sse_event("[DONE]")

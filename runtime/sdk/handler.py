@@ -1,0 +1,90 @@
+"""Loading a ``module.py:function`` handler and running it with its initializer."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import EmberRuntimeError
+from runtime.sdk.context import INIT_ATTRIBUTE, LLM, Context
+
+
+class HandlerError(EmberRuntimeError):
+    """The handler module cannot be loaded, or is not a valid Ember handler."""
+
+
+@dataclass(frozen=True)
+class LoadedHandler:
+    handler: Callable[..., Any]
+    initializer: Callable[..., Any] | None
+    static: bool | None  # the initializer's own choice; None follows the spec
+
+
+def load_handler(ref: str) -> LoadedHandler:
+    """Import ``/path/module.py:function`` under a private module name."""
+    path_text, _, fn_name = ref.rpartition(":")
+    path = Path(path_text)
+    if not path.is_absolute() or not path.is_file():
+        raise HandlerError(f"handler file {path_text!r} does not exist (an absolute path is needed)")
+    module_name = f"ember_handler_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise HandlerError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling in handlers need the module registered
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise HandlerError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    handler = getattr(module, fn_name, None)
+    if not callable(handler):
+        raise HandlerError(f"{path} has no function {fn_name!r}")
+    inits = [v for v in vars(module).values() if callable(v) and hasattr(v, INIT_ATTRIBUTE)]
+    if len(inits) > 1:
+        raise HandlerError(f"{path} marks {len(inits)} functions with @init; at most one is allowed")
+    initializer = inits[0] if inits else None
+    static = getattr(initializer, INIT_ATTRIBUTE)["static"] if initializer else None
+    return LoadedHandler(handler, initializer, static)
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await an async function; run a plain one in a thread (it may block on the model)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+class HandlerRunner:
+    """Runs one function's handler: the static initializer once, a dynamic one per request."""
+
+    def __init__(self, loaded: LoadedHandler, spec: dict[str, Any], model: LLM) -> None:
+        self.loaded = loaded
+        self.spec = spec
+        self.model = model
+        self.logger = logging.getLogger(f"ember.function.{spec['metadata']['name']}")
+        own = loaded.static
+        self.static = own if own is not None else spec["spec"].get("init", "static") == "static"
+        self._static_state: Any = None
+
+    def _context(self, request_id: str, deadline: float, state: Any = None) -> Context:
+        return Context(self.model, self.spec, request_id, self.logger, deadline, state)
+
+    async def setup(self, deadline: float) -> None:
+        """Run a static initializer (at instance start, before the instance is ready)."""
+        if self.loaded.initializer is not None and self.static:
+            self._static_state = await _call(self.loaded.initializer, self._context("init", deadline))
+
+    async def invoke(self, event: Any, request_id: str, deadline: float) -> Any:
+        """``handler(event, context)``; a dynamic initializer runs first, for this request only."""
+        state = self._static_state
+        if self.loaded.initializer is not None and not self.static:
+            state = await _call(self.loaded.initializer, self._context(request_id, deadline))
+        return await _call(self.loaded.handler, event, self._context(request_id, deadline, state))

@@ -1,0 +1,54 @@
+"""What the scheduler needs from whatever starts instances (the node agent in embedded mode).
+
+A structural interface: ``runtime.agent.NodeAgent`` satisfies it without importing the
+scheduler, which keeps the dependency direction ``gateway -> scheduler`` and
+``gateway -> runtime`` (DESIGN.md). A cluster-mode launcher (Knative) fits the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+
+class StartedInstance(Protocol):
+    """What starting one instance measured."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def bytes_loaded(self) -> int: ...
+    @property
+    def bytes_reused(self) -> int: ...
+    @property
+    def timings_ms(self) -> Mapping[str, float]: ...
+    @property
+    def log_path(self) -> str: ...
+
+
+class BaseLauncher(Protocol):
+    """Starts and stops instances on the devices it owns and reports those devices."""
+
+    def devices(self) -> list[str]:
+        """Ids of the devices this launcher starts instances on (``node/cpu``)."""
+        ...
+
+    async def launch(
+        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+    ) -> StartedInstance:
+        """Start ``instance_id`` of the function ``spec`` with ``model`` on ``device_id``."""
+        ...
+
+    async def stop(self, instance_id: str) -> None:
+        """Drain and stop an instance (a no-op for one it does not run)."""
+        ...
+
+    def alive(self, instance_id: str) -> bool:
+        """Whether the instance's process still runs."""
+        ...
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        """Publish the devices' pool stats to the cluster state; returns them by device id."""
+        ...

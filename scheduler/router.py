@@ -1,0 +1,304 @@
+"""Routing, scale-up, keep-alive expiry and instance health: the scheduler's control loop.
+
+:meth:`Router.route` gives a request a ready instance with spare concurrency. When there is
+none it scales up by concurrency (``ceil((in-flight + waiting) / concurrency)`` within
+minScale..maxScale), placing the new instance with Tangram Alg. 2 / Eq. 3 over the devices'
+live residency, and waits for an instance to free up or become ready. A request that cannot
+start before its deadline is rejected early (TIDAL): :class:`Rejected` becomes HTTP 503 with
+``Retry-After``. :meth:`Router.reconcile` runs every tick: instances idle past their
+keep-alive drain and stop (their tensors stay resident), dead workers are forgotten,
+minScale is kept, and the devices' pool stats are re-reported. Every state change goes
+through :class:`ClusterState`'s atomic scripts, so several gateways never double-start or
+double-stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from scheduler.errors import SchedulerError, StateConflict
+from scheduler.launcher import BaseLauncher, StartedInstance
+from scheduler.policies import DeviceState, ModelDemand, desired_instances, place, should_reject
+from scheduler.spec import parse_duration
+from scheduler.state import ClusterState
+
+log = logging.getLogger("ember.scheduler")
+
+
+class Rejected(SchedulerError):
+    """The request cannot start before its deadline (HTTP 503 with Retry-After)."""
+
+    code = "rejected"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StartFailed(SchedulerError):
+    """The function's instance failed to start; the message says why."""
+
+    code = "instance_start_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    tick_s: float = 0.25  # reconcile period
+    poll_s: float = 0.05  # how often a waiting request re-checks Redis (other gateways' changes)
+    handover_s: float = 0.05  # expected start of a resident instance beyond Eq. 3 (worker handover)
+    report_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.tick_s, self.poll_s, self.report_every_s) <= 0 or self.handover_s < 0:
+            raise ValueError("tick_s, poll_s and report_every_s must be > 0; handover_s >= 0")
+
+
+class Route(NamedTuple):
+    instance_id: str
+    url: str
+    cold: bool  # the request waited for an instance to start
+    waited_s: float
+
+
+def keep_alive_s(record: dict[str, Any]) -> float:
+    """A function record's keep-alive in seconds."""
+    return parse_duration(record["spec"]["spec"]["scaling"]["keepAlive"])
+
+
+class Router:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        launcher: BaseLauncher,
+        config: RouterConfig | None = None,
+        on_start: Callable[[str, StartedInstance], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.launcher = launcher
+        self.config = config or RouterConfig()
+        self.on_start = on_start
+        self._waiting: dict[str, int] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+        self._start_errors: dict[str, tuple[float, str]] = {}
+        self._service_s: dict[str, float] = {}  # EWMA of request service time per function
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._last_report = 0.0
+
+    # ----- routing --------------------------------------------------------------------------
+
+    async def route(self, name: str, record: dict[str, Any], deadline: float) -> Route:
+        """An instance for one request of ``name`` (see module docstring)."""
+        scaling = record["spec"]["spec"]["scaling"]
+        hit = await asyncio.to_thread(self.state.acquire, name, scaling["concurrency"])
+        if hit is not None:
+            return Route(hit[0], hit[1], False, 0.0)
+        t0 = time.monotonic()
+        asked = time.time()
+        self._waiting[name] = self._waiting.get(name, 0) + 1
+        try:
+            while True:
+                hit = await asyncio.to_thread(self.state.acquire, name, scaling["concurrency"])
+                if hit is not None:
+                    return Route(hit[0], hit[1], True, time.monotonic() - t0)
+                failed = self._start_errors.get(name)
+                if failed is not None and failed[0] >= asked:
+                    raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
+                await self._scale_up(name, record, deadline)
+                left = deadline - time.time()
+                if left <= 0:
+                    raise Rejected(f"no instance of {name!r} could take the request before its deadline", 1.0)
+                event = self._changed.setdefault(name, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(self.config.poll_s, left))
+        finally:
+            self._waiting[name] -= 1
+
+    async def done(self, name: str, route: Route, keep_alive_s: float, service_s: float) -> None:
+        """A request finished on ``route``: free its slot, restart the keep-alive clock."""
+        await asyncio.to_thread(self.state.release, route.instance_id, keep_alive_s)
+        old = self._service_s.get(name)
+        self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
+        self._notify(name)
+
+    async def _scale_up(self, name: str, record: dict[str, Any], deadline: float) -> None:
+        scaling = record["spec"]["spec"]["scaling"]
+        instances = await asyncio.to_thread(self.state.instances, name)
+        live = [i for i in instances if i.state in ("starting", "ready")]
+        in_flight = sum(i.in_flight for i in live)
+        want = desired_instances(
+            in_flight + self._waiting.get(name, 0),
+            scaling["concurrency"],
+            scaling["minScale"],
+            scaling["maxScale"],
+        )
+        left = deadline - time.time()
+        if len(live) >= want:
+            # Queue behind busy instances, unless the wait cannot end before the deadline.
+            ready = [i for i in live if i.state == "ready"]
+            if ready and not any(i.state == "starting" for i in live):
+                slots = len(ready) * scaling["concurrency"]
+                turns = math.ceil(self._waiting.get(name, 1) / slots)
+                wait = turns * self._service_s.get(name, 0.0)
+                if should_reject(wait, left):
+                    raise Rejected(f"{name!r} is at maxScale and busy; expected wait {wait:.1f} s", wait)
+            return
+        device, expected = await self._place(record)
+        if device is None:
+            raise Rejected(f"no device can hold {name!r}'s model now", 5.0)
+        if should_reject(expected + self.config.handover_s, left):
+            raise Rejected(
+                f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
+            )
+        instance_id = await asyncio.to_thread(self._scale_to, name, want, device)
+        if instance_id is not None:
+            self._spawn(self._start(instance_id, name, record, device, deadline))
+
+    async def _place(self, record: dict[str, Any]) -> tuple[str | None, float]:
+        model = record["model"]
+        if model is None:
+            raise StartFailed("the function's model is not registered yet; deploy it again")
+        reports = await asyncio.to_thread(self.state.devices)
+        devices = []
+        for device_id in self.launcher.devices():
+            r = reports.get(device_id)
+            if r is None:  # not reported yet: assume an empty device of unknown size
+                devices.append(DeviceState(device_id, free_bytes=model["weight_bytes"], evictable_bytes=0))
+                continue
+            bandwidth = float(r.get("load_bandwidth") or 0.0)
+            devices.append(
+                DeviceState(
+                    device_id,
+                    free_bytes=int(r["free_bytes"]),
+                    evictable_bytes=int(r["evictable_bytes"]),
+                    resident_bytes={k: int(v) for k, v in r.get("models", {}).items()},
+                    disk_bandwidth=bandwidth if bandwidth > 0 else 2e9,
+                )
+            )
+        demand = ModelDemand(model["id"], int(model["weight_bytes"]))
+        placement = place([demand], devices)[0]
+        return placement.device_id, placement.expected_start_s
+
+    async def _start(
+        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+    ) -> None:
+        keep_alive = keep_alive_s(record)
+        t0 = time.perf_counter()
+        try:
+            started = await self.launcher.launch(
+                instance_id, record["spec"], record["model"], device, deadline
+            )
+        except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
+            log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
+            self._start_errors[name] = (time.time(), str(exc))
+            await asyncio.to_thread(self._forget, name, instance_id, "starting")
+            self._notify(name)
+            return
+        start_ms = (time.perf_counter() - t0) * 1e3
+        try:
+            await asyncio.to_thread(
+                self.state.transition, instance_id, "starting", "ready",
+                url=started.url, deadline=time.time() + keep_alive, pid=started.pid,
+                bytes_loaded=started.bytes_loaded, bytes_reused=started.bytes_reused,
+                start_ms=round(start_ms, 3), log=started.log_path,
+            )  # fmt: skip
+        except StateConflict:  # deleted while starting
+            await self.launcher.stop(instance_id)
+            return
+        self._start_errors.pop(name, None)
+        if self.on_start is not None:
+            self.on_start(name, started)
+        self._notify(name)
+
+    def _scale_to(self, name: str, desired: int, device: str) -> str | None:
+        return self.state.scale_up(name, desired, device)
+
+    def _forget(self, name: str, instance_id: str, from_state: str) -> None:
+        with contextlib.suppress(StateConflict):
+            self.state.transition(instance_id, from_state, "gone")
+        self.state.forget_instance(name, instance_id)
+
+    # ----- reconcile ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Reconcile every tick until cancelled (errors are logged, never fatal)."""
+        while True:
+            try:
+                await self.reconcile()
+            except SchedulerError as exc:
+                log.warning("reconcile: %s", exc)
+            await asyncio.sleep(self.config.tick_s)
+
+    async def reconcile(self, now: float | None = None) -> None:
+        """One pass: expire idle instances, forget dead ones, keep minScale, report devices."""
+        records = await asyncio.to_thread(self.state.list_records)
+        names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
+        mine = set(self.launcher.devices())
+        for name in sorted(names):
+            record = records.get(name)
+            min_scale = record["spec"]["spec"]["scaling"]["minScale"] if record else 0
+            if record is None:  # deleted: drain everything it still runs
+                await self.retire(name)
+            else:
+                for instance_id in await asyncio.to_thread(self.state.expire, name, min_scale, now):
+                    self._spawn(self._drain(name, instance_id))
+            for inst in await asyncio.to_thread(self.state.instances, name):
+                if (
+                    inst.device in mine
+                    and inst.state == "ready"
+                    and not self.launcher.alive(inst.instance_id)
+                ):
+                    log.warning("instance %s of %s died; forgetting it", inst.instance_id, name)
+                    await asyncio.to_thread(self._forget, name, inst.instance_id, "ready")
+                    self._notify(name)
+            if record is not None and min_scale > 0 and record["model"] is not None:
+                instances = await asyncio.to_thread(self.state.instances, name)
+                if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
+                    device, _ = await self._place(record)
+                    if device is not None:
+                        new_id = await asyncio.to_thread(self._scale_to, name, min_scale, device)
+                        if new_id is not None:
+                            self._spawn(self._start(new_id, name, record, device, time.time() + 600))
+        if time.monotonic() - self._last_report >= self.config.report_every_s:
+            self._last_report = time.monotonic()
+            await self.launcher.report()
+
+    async def retire(self, name: str) -> None:
+        """Drain and stop every instance of ``name`` (after ``delete``)."""
+        for inst in await asyncio.to_thread(self.state.instances, name):
+            if inst.state == "ready":
+                try:
+                    await asyncio.to_thread(self.state.transition, inst.instance_id, "ready", "draining")
+                except StateConflict:
+                    continue
+                self._spawn(self._drain(name, inst.instance_id))
+
+    async def _drain(self, name: str, instance_id: str) -> None:
+        await self.launcher.stop(instance_id)
+        await asyncio.to_thread(self._forget, name, instance_id, "draining")
+        await self.launcher.report()  # residency is unchanged, but pins and sessions are not
+
+    # ----- plumbing -------------------------------------------------------------------------
+
+    def _notify(self, name: str) -> None:
+        event = self._changed.pop(name, None)
+        if event is not None:
+            event.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
