@@ -10,15 +10,20 @@ loudly. A non-loopback address needs an API key: one is generated when none is g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
 import secrets
+import signal
 import socket
 import sys
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.metrics import Metrics
@@ -84,11 +89,10 @@ class ServeConfig:
 
 
 async def serve(config: ServeConfig) -> None:
-    """Run the embedded mode until cancelled (SIGINT/SIGTERM)."""
-    import uvicorn
-
+    """Run the embedded mode until SIGINT/SIGTERM."""
     from runtime.agent import AgentConfig, NodeAgent
     from runtime.errors import EmberRuntimeError
+    from runtime.process import die_with_parent
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
@@ -100,8 +104,8 @@ async def serve(config: ServeConfig) -> None:
     config.home.mkdir(parents=True, exist_ok=True)
     redis_server = None
     if config.redis_url is None:
-        redis_server = EmbeddedRedis(config.home / "redis")
-        await asyncio.to_thread(redis_server.start)
+        redis_server = EmbeddedRedis(config.home / "redis", preexec_fn=die_with_parent())
+        redis_server.start()  # from this (long-lived) thread: see die_with_parent
     state = ClusterState.from_url(config.redis_url or redis_server.url)  # type: ignore[union-attr]
     agent = NodeAgent(
         AgentConfig(
@@ -141,9 +145,12 @@ async def serve(config: ServeConfig) -> None:
         sock.bind((config.host, config.port))
         host = f"[{config.host}]" if ":" in config.host else config.host
         url = f"http://{host}:{sock.getsockname()[1]}"
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
         )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up below
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
@@ -168,6 +175,15 @@ async def serve(config: ServeConfig) -> None:
         state.close()
         if redis_server is not None:
             await asyncio.to_thread(redis_server.stop)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: it would re-raise SIGTERM after shutdown and
+    kill this process before the agent, the pools and Redis are stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 def _forget_stale_instances(state: Any, devices: list[str]) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ class PoolProcess:
         device: str = "cpu",
         extra_args: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.socket_path = str(socket_path)
         args = [
@@ -42,6 +43,7 @@ class PoolProcess:
             stderr=subprocess.PIPE,
             text=True,
             env=dict(os.environ, **(env or {})),
+            preexec_fn=preexec_fn,  # noqa: PLW1509  (callers pass async-signal-safe calls only)
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

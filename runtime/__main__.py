@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
     parser.add_argument("--preload", action="append", default=[], help="registered model directory")
     args = parser.parse_args(argv)
-    from runtime.priority import set_idle_priority
+    from runtime.process import set_idle_priority
 
     set_idle_priority(True)  # until assigned: import and warm up only on cores instances leave free
     import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)

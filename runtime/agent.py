@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from runtime.errors import EmberRuntimeError
+from runtime.process import die_with_parent
 
 
 class LaunchError(EmberRuntimeError):
@@ -108,8 +109,9 @@ class NodeAgent:
         (self.log_dir / "workers").mkdir(parents=True, exist_ok=True)
         socket_path = str(self.run_dir / "pool-cpu.sock")
         env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
-        self.pools["cpu"] = await asyncio.to_thread(
-            PoolProcess, socket_path, self.config.arena_bytes, "cpu", (), env
+        # Spawned from the event loop's thread (it lives as long as we do): see die_with_parent.
+        self.pools["cpu"] = PoolProcess(
+            socket_path, self.config.arena_bytes, "cpu", (), env, die_with_parent()
         )
         for _ in range(self.config.prewarm):
             self._spawn_in_background()
@@ -270,7 +272,11 @@ class NodeAgent:
             args += ["--preload", model_dir]
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                *args, stdout=asyncio.subprocess.PIPE, stderr=log, stdin=asyncio.subprocess.DEVNULL
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent(),
             )
         assert proc.stdout is not None
         try:

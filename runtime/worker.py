@@ -36,7 +36,7 @@ from runtime.openai_api import (
     sse_chunks,
     sse_event,
 )
-from runtime.priority import set_idle_priority
+from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
 
 DEFAULT_HANDLER = "default"

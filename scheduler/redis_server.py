@@ -11,6 +11,7 @@ import importlib.util
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scheduler.errors import StateUnavailable
@@ -35,7 +36,10 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """Start, stop and restart a private Redis server in ``directory``."""
 
-    def __init__(self, directory: Path, binary: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, binary: str | None = None, preexec_fn: Callable[[], None] | None = None
+    ) -> None:
+        self._preexec_fn = preexec_fn
         self.directory = directory
         self.binary = binary or find_redis_server()
         self.socket_path = str(directory / "redis.sock")
@@ -60,7 +64,12 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=self._preexec_fn,  # noqa: PLW1509  (async-signal-safe calls only)
+        )
         deadline = time.monotonic() + timeout
         import redis
 

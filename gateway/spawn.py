@@ -1,0 +1,79 @@
+"""Start ``ember serve`` as a child process and wait until it serves (for tools, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class ServeError(RuntimeError):
+    """``ember serve`` did not become ready."""
+
+
+class ServeProcess:
+    """``python -m gateway.cli serve --port 0`` with its own ``EMBER_HOME``; ``url`` once ready."""
+
+    def __init__(
+        self,
+        home: Path,
+        env: Mapping[str, str] | None = None,
+        args: tuple[str, ...] = (),
+        timeout: float = 180.0,
+    ) -> None:
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.home / "serve.log"
+        full_env = dict(os.environ, EMBER_HOME=str(self.home), **(env or {}))
+        full_env.pop("EMBER_URL", None)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=full_env,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        line = self._read_ready(timeout)
+        if not line:
+            self.stop()
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise ServeError(f"ember serve did not become ready:\n{tail}")
+        self.ready: dict[str, Any] = json.loads(line)
+        self.url: str = self.ready["url"]
+        self.api_key: str | None = self.ready.get("api_key")
+
+    def _read_ready(self, timeout: float) -> bytes:
+        assert self.proc.stdout is not None
+        out: list[bytes] = []
+        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        return out[0] if out else b""
+
+    @property
+    def pool_socket(self) -> str:
+        return str(self.home / "run" / "pool-cpu.sock")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (SIGKILL after ``timeout``); returns the exit status."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        return self.proc.returncode

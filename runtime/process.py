@@ -1,0 +1,43 @@
+"""Process attributes of workers and daemons: CPU scheduling class, parent-death signal.
+
+Standard library only: a worker imports this before torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def set_idle_priority(idle: bool) -> None:
+    """Put every thread of this process in ``SCHED_IDLE`` (pre-warming) or back in ``SCHED_OTHER``.
+
+    A pre-warmed worker imports torch and warms its kernels while instances serve on the
+    same cores; as ``SCHED_IDLE`` it only runs when they leave a core free. Once assigned
+    it competes normally. Linux lets an unprivileged process switch both ways.
+    """
+    import contextlib
+    import os
+
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    for tid in os.listdir("/proc/self/task"):
+        # ProcessLookupError: the thread just ended; PermissionError: a locked-down kernel.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn`` for children of ``ember serve``: SIGTERM them when the parent dies.
+
+    Without it a SIGKILLed ``ember serve`` would leave its pool, workers and Redis running.
+    ``prctl`` is looked up here, in the parent, so the child only makes one libc call between
+    fork and exec (safe in a threaded parent). Linux only; elsewhere a no-op. Spawn from a
+    long-lived thread: the signal fires when the spawning *thread* exits.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
