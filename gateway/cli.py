@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("-p", "--prompt", help="a user message (default handler) or {'prompt': ...} (custom)")
     invoke.add_argument("--stream", action="store_true", help="print text as it is generated")
     invoke.add_argument("--max-tokens", type=int, default=None)
-    invoke.add_argument("--timing", action="store_true", help="print time to first token and total on stderr")
+    invoke.add_argument("--timing", action="store_true", help="print time to first token and total")
     client(verbs.add_parser("list", help="list deployed functions"))
     for verb, text in (("describe", "show a function's spec with defaults"), ("delete", "delete a function")):
         client(verbs.add_parser(verb, help=text)).add_argument("name")
@@ -236,10 +236,7 @@ def _invoke(args: argparse.Namespace) -> int:
                     print(json.dumps(answer, indent=2))
             if args.timing:
                 total = time.perf_counter() - t0
-                print(
-                    f"time to first token {1e3 * (ttft or total):.0f} ms, total {1e3 * total:.0f} ms",
-                    file=sys.stderr,
-                )
+                print(f"time to first token {1e3 * (ttft or total):.0f} ms, total {1e3 * total:.0f} ms")
     except GatewayError as exc:
         return _fail("invoke", exc)
     return 0

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from runtime.errors import EmberRuntimeError
-from runtime.process import die_with_parent
+from runtime.process import boost, die_with_parent
 
 
 class LaunchError(EmberRuntimeError):
@@ -84,7 +84,8 @@ class NodeAgent:
         self.log_dir = config.home / "logs"
         self.pools: dict[str, Any] = {}  # device -> gpu_pool.spawn.PoolProcess
         self._warm: list[_Worker] = []
-        self._spawning = 0
+        self._spawning: dict[int, asyncio.subprocess.Process] = {}  # pid -> worker still starting
+        self._pending_spawns = 0  # spawn tasks not finished (including before their fork)
         self._warm_ready = asyncio.Event()
         self._instances: dict[str, _Worker] = {}
         self._templates: set[str] = set()  # model directories every new worker preloads
@@ -246,12 +247,12 @@ class NodeAgent:
     # ----- pre-warmed workers -----------------------------------------------------------------------
 
     def _spawn_in_background(self) -> None:
+        self._pending_spawns += 1
         task = asyncio.create_task(self._spawn())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _spawn(self) -> None:
-        self._spawning += 1
         try:
             preloaded = set(self._templates)
             worker = await self._start_worker()
@@ -261,7 +262,7 @@ class NodeAgent:
             self.spawn_errors.append(str(exc))
             return
         finally:
-            self._spawning -= 1
+            self._pending_spawns -= 1
         self._warm.append(worker)
         self._warm_ready.set()
 
@@ -279,10 +280,13 @@ class NodeAgent:
                 preexec_fn=die_with_parent(),
             )
         assert proc.stdout is not None
+        self._spawning[proc.pid] = proc
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), self.config.worker_start_timeout_s)
         except TimeoutError:
             line = b""
+        finally:
+            del self._spawning[proc.pid]
         if not line:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -299,8 +303,10 @@ class NodeAgent:
                 worker = self._warm.pop(0)
                 if worker.proc.returncode is None:
                     return worker
-            if self._spawning == 0:
+            if self._pending_spawns == 0:
                 self._spawn_in_background()
+            for pid in list(self._spawning):  # a request waits: no more idle-priority start-up
+                boost(pid)
             self._warm_ready.clear()
             left = deadline - time.monotonic()
             if left <= 0:

