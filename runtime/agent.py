@@ -183,6 +183,7 @@ class NodeAgent:
         os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
         worker.log_path = log_path
         self._instances[instance_id] = worker
+        await self._share_cores()
         data = resp.json()
         acquired = data["acquire"]
         return InstanceStart(
@@ -195,6 +196,17 @@ class NodeAgent:
         worker = self._instances.pop(instance_id, None)
         if worker is not None:
             await self._terminate(worker)
+            await self._share_cores()
+
+    async def _share_cores(self) -> None:
+        """Give each CPU instance ``cores // instances`` intra-op threads (at least one)."""
+        workers = [w for w in self._instances.values() if w.proc.returncode is None]
+        if not workers:
+            return
+        per = max(1, (os.cpu_count() or 1) // len(workers))
+        for w in workers:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._http.post(f"{w.url}/_ember/threads", json={"num_threads": per}, timeout=5.0)
 
     def alive(self, instance_id: str) -> bool:
         """Whether this agent runs ``instance_id`` and its process lives."""

@@ -162,6 +162,19 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(400, "preload_failed", f"{type(exc).__name__}: {exc}")
         return {"templates": sorted(state.templates)}
 
+    @app.post("/_ember/threads")
+    async def threads(raw: Request) -> Any:
+        """Set this instance's intra-op threads (the agent shares a CPU device's cores among
+        its instances: oversubscribed OpenMP threads spin against each other)."""
+        import torch
+
+        body = await raw.json()
+        n = body.get("num_threads") if isinstance(body, dict) else None
+        if not isinstance(n, int) or n < 1:
+            return _error(400, "invalid_request_error", "num_threads must be a positive integer")
+        torch.set_num_threads(n)  # this (event-loop) thread is the one that steps the engine
+        return {"num_threads": torch.get_num_threads()}
+
     @app.post("/_ember/assign")
     async def assign_route(raw: Request) -> Any:
         if state.assignment is not None or state.assigning:
