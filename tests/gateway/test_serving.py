@@ -130,3 +130,39 @@ def test_cli_verbs(server: ServeProcess, http: httpx.Client) -> None:
         check=False,
     )
     assert failed.returncode == 1 and "function_not_found" in failed.stderr
+
+
+COUNTING_HANDLER = """
+import itertools
+
+from runtime.sdk import init
+
+_calls = itertools.count()
+
+
+@init(static={static})
+def setup(context):
+    return next(_calls)
+
+
+async def handler(event, context):
+    done = await context.model.acomplete("1, 2, 3,", max_tokens=2, temperature=0)
+    left = context.remaining_time()
+    return {{"init_result": context.state, "tokens": done.completion_tokens, "left": left}}
+"""
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_static_init_is_cached_dynamic_init_runs_per_request(
+    http: httpx.Client, tmp_path: Path, static: bool
+) -> None:
+    module = tmp_path / f"counting_{static}.py"
+    module.write_text(COUNTING_HANDLER.format(static=static))
+    name = f"counting-{str(static).lower()}"
+    document = chat_spec(name)
+    document["spec"]["handler"] = f"{module}:handler"
+    assert http.post("/v1/functions", json=document).status_code == 201
+    results = [http.post(f"/v1/functions/{name}/invoke", json={}).json() for _ in range(3)]
+    assert all(r["tokens"] == 2 and 0 < r["left"] <= 300 for r in results)
+    seen = [r["init_result"] for r in results]
+    assert seen == ([0, 0, 0] if static else [0, 1, 2])
