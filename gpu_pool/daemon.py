@@ -2,9 +2,11 @@
 
 Every connection is a session. Requests on one connection are answered in order; state
 changes of all sessions are serialised by one asyncio lock (planning and bookkeeping take
-microseconds to a millisecond; byte copies run in a worker thread so the event loop keeps
-accepting connections and noticing disconnects). A connection that closes, for whatever
-reason including SIGKILL of its process, releases its session's pins and KV blocks.
+microseconds to a millisecond). Byte copies of an acquire run in a worker thread *outside*
+the lock, into regions reserved and pinned while it was held, so a slow load stalls no
+other session and the event loop keeps accepting connections and noticing disconnects.
+A connection that closes, for whatever reason including SIGKILL of its process, releases
+its session's pins and KV blocks.
 Malformed messages get a typed error reply; an oversized frame gets a reply and the
 connection is closed (its framing can no longer be trusted); the daemon keeps serving.
 """
@@ -27,10 +29,10 @@ import xxhash
 
 from gpu_pool.arena import BaseArena
 from gpu_pool.config import PoolConfig
-from gpu_pool.errors import ConfigError, MessageTooLarge, PoolError, ProtocolError
+from gpu_pool.errors import ConfigError, LoadError, MessageTooLarge, PoolError, ProtocolError
 from gpu_pool.manifest import Manifest
 from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, decode_request, encode, error_reply, read_frame
-from gpu_pool.reuse_store import ReuseStore, StoreConfig
+from gpu_pool.reuse_store import AcquireResult, ReuseStore, StoreConfig
 
 log = logging.getLogger("ember.pool")
 
@@ -65,6 +67,7 @@ class PoolDaemon:
         self.arena = arena or make_arena(config)
         self.store = ReuseStore(self.arena, StoreConfig(eviction=config.eviction, packing=config.packing))
         self._lock = asyncio.Lock()
+        self._loading: dict[str, asyncio.Future[bool]] = {}  # tensor key -> its load's outcome
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
@@ -154,6 +157,38 @@ class PoolDaemon:
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
 
+    async def _acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
+        """Plan under the lock, copy bytes without it, commit under it again.
+
+        A slow load therefore stalls no other session. A session that needs a tensor another
+        session is still loading waits for that load (and fails if it fails).
+        """
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            pending = self.store.begin_acquire(session_id, manifest)
+            waits = [self._loading[k] for k in pending.waits_on]
+            mine = {k: loop.create_future() for k in pending.missing}
+            self._loading.update(mine)
+        ok = False
+        try:
+            for other in waits:
+                if not await asyncio.shield(other):
+                    raise LoadError(
+                        f"loading {manifest.model_id}: a concurrent load of a shared tensor failed"
+                    )
+            load_seconds = await asyncio.to_thread(self.store.load, pending)
+            async with self._lock:
+                result = self.store.complete_acquire(pending, load_seconds)
+            ok = True
+            return result
+        finally:
+            if not ok:
+                async with self._lock:
+                    self.store.abort_acquire(pending)
+            for k, future in mine.items():
+                self._loading.pop(k, None)
+                future.set_result(ok)
+
     def _manifest(self, request: dict[str, Any]) -> Manifest:
         encoded = request.get("manifest_bin")
         if encoded is not None:
@@ -176,9 +211,7 @@ class PoolDaemon:
             async with self._lock:
                 return {"stats": self.store.stats()}
         if op == "acquire":
-            manifest = self._manifest(request)
-            async with self._lock:
-                result = await asyncio.to_thread(self.store.acquire, session_id, manifest)
+            result = await self._acquire(session_id, self._manifest(request))
             return {
                 "placements": result.placements,
                 "bytes_loaded": result.bytes_loaded,

@@ -63,6 +63,7 @@ class TensorRecord:
     pins: Counter[str] = field(default_factory=Counter)
     last_used: float = 0.0
     session_private: str | None = None  # session owning a dynamic tensor
+    loading: bool = False  # placed and pinned, bytes still being copied in (outside the lock)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,27 @@ class SessionState:
     pins: Counter[str] = field(default_factory=Counter)
     private: set[str] = field(default_factory=set)
     kv: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingAcquire:
+    """An acquire between planning (:meth:`ReuseStore.begin_acquire`) and its byte copies' end.
+
+    The daemon copies the bytes without holding its lock; ``waits_on`` are resident tensors
+    this acquire pinned that another session's acquire is still loading.
+    """
+
+    session_id: str
+    manifest: Manifest
+    keys: dict[str, str]  # tensor name -> store key
+    unique: dict[str, TensorEntry]  # store key -> entry
+    resident: tuple[str, ...]
+    missing: tuple[str, ...]
+    jobs: tuple[CopyJob, ...]
+    bytes_moved: int
+    bytes_evicted: int
+    plan_seconds: float
+    waits_on: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +194,19 @@ class ReuseStore:
         return build_region_list(self.arena.capacity, allocated)
 
     def acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
-        """Pin ``manifest``'s tensors for the session, loading the missing ones."""
+        """Pin ``manifest``'s tensors for the session, loading the missing ones (all in one call)."""
+        pending = self.begin_acquire(session_id, manifest)
+        assert not pending.waits_on, "a concurrent load is pending: use begin/load/complete"
+        try:
+            load_seconds = self.load(pending)
+        except BaseException:
+            self.abort_acquire(pending)
+            raise
+        return self.complete_acquire(pending, load_seconds)
+
+    def begin_acquire(self, session_id: str, manifest: Manifest) -> PendingAcquire:
+        """Plan and reserve: pin resident tensors, evict/move per the plan, place the missing
+        ones (marked ``loading``, pinned). Their bytes are copied by :meth:`load`."""
         session = self._session(session_id)
         now = self.clock()
         self.rates.observe(manifest.model_id, now)
@@ -191,12 +225,7 @@ class ReuseStore:
         try:
             requests = [TensorRequest(k, align_up(unique[k].nbytes, self.config.alignment)) for k in missing]
             the_plan = self._plan(requests)
-        except BaseException:
-            for k in resident:
-                self._unpin(session, k)
-            raise
-        plan_seconds = time.perf_counter() - t0
-        try:
+            plan_seconds = time.perf_counter() - t0
             self._apply_evictions_and_moves(the_plan)
         except BaseException:
             for k in resident:
@@ -206,55 +235,82 @@ class ReuseStore:
             e = unique[k]
             rec = TensorRecord(k, the_plan.placements[k], align_up(e.nbytes, self.config.alignment), e)
             rec.session_private = None if e.static else session_id
+            rec.loading = True
             self.tensors[k] = rec
             self._pin(session, k, now)
             if not e.static:
                 session.private.add(k)
         for e in manifest.tensors:
             self.tensors[keys[e.name]].models.add(manifest.model_id)
-
-        jobs = [
+        jobs = tuple(
             CopyJob(unique[k].file, unique[k].offset, the_plan.placements[k], unique[k].nbytes)
             for k in missing
-        ]
-        t1 = time.perf_counter()
+        )
+        return PendingAcquire(
+            session_id, manifest, keys, unique, tuple(resident), tuple(missing), jobs,
+            the_plan.bytes_moved, the_plan.bytes_evicted, plan_seconds,
+            frozenset(k for k in resident if self.tensors[k].loading),
+        )  # fmt: skip
+
+    def load(self, pending: PendingAcquire) -> float:
+        """Copy the missing tensors' bytes into their places (thread-safe against planning:
+        the regions are reserved and pinned); returns the seconds it took."""
+        if not pending.jobs:
+            return 0.0
+        t0 = time.perf_counter()
         try:
-            self.arena.load(group_copies(jobs))
-        except BaseException as exc:
-            for k in missing:
+            self.arena.load(group_copies(list(pending.jobs)))
+        except OSError as exc:
+            raise LoadError(f"loading {pending.manifest.model_id}: {exc}") from exc
+        return time.perf_counter() - t0
+
+    def abort_acquire(self, pending: PendingAcquire) -> None:
+        """Undo :meth:`begin_acquire` after a failed load: drop the half-loaded tensors, unpin."""
+        session = self.sessions.get(pending.session_id)
+        for k in pending.missing:
+            if session is not None:
                 self._unpin(session, k)
                 session.private.discard(k)
-                self.tensors.pop(k, None)
-            for k in resident:
+            rec = self.tensors.get(k)
+            if rec is not None and rec.loading:
+                del self.tensors[k]
+        if session is not None:
+            for k in pending.resident:
                 self._unpin(session, k)
-            if isinstance(exc, LoadError):
-                raise
-            if isinstance(exc, OSError):
-                raise LoadError(f"loading {manifest.model_id}: {exc}") from exc
-            raise
-        load_seconds = time.perf_counter() - t1 if jobs else 0.0
 
-        bytes_loaded = sum(unique[k].nbytes for k in missing)
-        bytes_reused = sum(unique[k].nbytes for k in resident)
-        self._record_bandwidth(manifest.model_id, bytes_loaded, load_seconds)
+    def complete_acquire(self, pending: PendingAcquire, load_seconds: float) -> AcquireResult:
+        """Mark the loaded tensors ready and account for the acquire."""
+        gone = [k for k in (*pending.missing, *pending.resident) if k not in self.tensors]
+        if gone:  # a concurrent load this one waited on failed, and took its tensors with it
+            self.abort_acquire(pending)
+            raise LoadError(
+                f"loading {pending.manifest.model_id}: a concurrent load of {len(gone)} tensors failed"
+            )
+        for k in pending.missing:
+            self.tensors[k].loading = False
+        unique = pending.unique
+        bytes_loaded = sum(unique[k].nbytes for k in pending.missing)
+        bytes_reused = sum(unique[k].nbytes for k in pending.resident)
+        self._record_bandwidth(pending.manifest.model_id, bytes_loaded, load_seconds)
         self.counters.update(
             bytes_loaded=bytes_loaded,
             bytes_reused=bytes_reused,
-            bytes_moved=the_plan.bytes_moved,
-            bytes_evicted=the_plan.bytes_evicted,
-            reuse_hits=len(resident),
-            tensors_loaded=len(missing),
+            bytes_moved=pending.bytes_moved,
+            bytes_evicted=pending.bytes_evicted,
+            reuse_hits=len(pending.resident),
+            tensors_loaded=len(pending.missing),
             acquires=1,
         )
         self.load_seconds += load_seconds
+        keys = pending.keys
         return AcquireResult(
-            placements={e.name: self.tensors[keys[e.name]].offset for e in manifest.tensors},
+            placements={e.name: self.tensors[keys[e.name]].offset for e in pending.manifest.tensors},
             bytes_loaded=bytes_loaded,
             bytes_reused=bytes_reused,
-            bytes_moved=the_plan.bytes_moved,
-            bytes_evicted=the_plan.bytes_evicted,
+            bytes_moved=pending.bytes_moved,
+            bytes_evicted=pending.bytes_evicted,
             load_seconds=load_seconds,
-            plan_seconds=plan_seconds,
+            plan_seconds=pending.plan_seconds,
         )
 
     def release(self, session_id: str) -> None:

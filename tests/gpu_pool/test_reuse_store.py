@@ -20,8 +20,9 @@ from hypothesis.stateful import (
 
 from gpu_pool.allocator import PackingPolicy, full_compaction_bytes
 from gpu_pool.arena_cpu import CpuArena
-from gpu_pool.errors import OutOfMemory, SessionError
+from gpu_pool.errors import LoadError, OutOfMemory, SessionError
 from gpu_pool.eviction import EvictionPolicy
+from gpu_pool.fingerprint import fingerprint
 from gpu_pool.manifest import Manifest
 from gpu_pool.regions import RegionKind, align_up
 from gpu_pool.reuse_store import ReuseStore, StoreConfig
@@ -243,5 +244,51 @@ def test_shared_tensors_are_loaded_once(manifests: list[Manifest]) -> None:
         assert second.bytes_reused == shared
         rec = store.tensors[manifests[0]["shared0"].fingerprint]
         assert rec.models == {"model0", "model3"}
+    finally:
+        arena.close()
+
+
+def test_loads_run_outside_planning_and_concurrent_sharers_wait(manifests: list[Manifest]) -> None:
+    """The daemon's split acquire: plan/reserve, copy bytes (unlocked), commit."""
+    arena = CpuArena(8 << 20, prefault=False)
+    try:
+        store = ReuseStore(arena)
+        for sid in ("a", "b", "c"):
+            store.open_session(sid)
+        a = store.begin_acquire("a", manifests[0])  # reserved and pinned, bytes not copied yet
+        assert a.missing and not a.waits_on
+        assert all(store.tensors[k].loading and store.tensors[k].pins["a"] for k in a.missing)
+        # Another session plans and completes a disjoint model while a's copy is pending.
+        store.acquire("c", manifests[1])
+        # A sharer of a's tensors finds them resident but still loading: it must wait for a.
+        b = store.begin_acquire("b", manifests[3])
+        shared = {manifests[0]["shared0"].fingerprint, manifests[0]["shared1"].fingerprint}
+        assert b.waits_on == shared
+        store.complete_acquire(a, store.load(a))
+        assert not any(store.tensors[k].loading for k in a.missing)
+        done = store.complete_acquire(b, store.load(b))
+        assert done.bytes_reused == sum(store.tensors[k].entry.nbytes for k in shared)
+        for e in manifests[3].tensors:  # the bytes really arrived (checked against fingerprints)
+            assert (
+                fingerprint(e.dtype, e.shape, arena.read(done.placements[e.name], e.nbytes)) == e.fingerprint
+            )
+    finally:
+        arena.close()
+
+
+def test_failed_load_takes_its_waiters_down_and_leaves_no_trace(manifests: list[Manifest]) -> None:
+    arena = CpuArena(8 << 20, prefault=False)
+    try:
+        store = ReuseStore(arena)
+        store.open_session("a")
+        store.open_session("b")
+        free_before = sum(r.size for r in store.regions() if r.is_free)
+        a = store.begin_acquire("a", manifests[0])
+        b = store.begin_acquire("b", manifests[3])
+        store.abort_acquire(a)  # as if a's copy had failed
+        with pytest.raises(LoadError, match="concurrent load"):
+            store.complete_acquire(b, 0.0)
+        assert store.tensors == {} and not store.sessions["a"].pins and not store.sessions["b"].pins
+        assert sum(r.size for r in store.regions() if r.is_free) == free_before
     finally:
         arena.close()
