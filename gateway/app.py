@@ -113,6 +113,9 @@ def create_app(
             if isinstance(exc, RequestValidationError)
             else str(exc)
         )
+        # Messages may quote input, and JSON's \ud800 escapes can carry lone surrogates, which
+        # the response's UTF-8 cannot: escape them rather than fail with a 500.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         headers = (
             {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))} if isinstance(exc, Rejected) else None
         )
@@ -122,6 +125,8 @@ def create_app(
 
     for cls in (SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError):
         app.add_exception_handler(cls, lambda _req, exc: error(exc))
+    # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
+    app.add_exception_handler(Exception, lambda _req, exc: error(exc))
 
     async def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -226,7 +231,7 @@ def create_app(
         return app
     invoker = serving.invoker
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from gateway.metrics import Metrics
-from scheduler.errors import SchedulerError, StateConflict
+from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict
 from scheduler.router import Route, Router, keep_alive_s
 from scheduler.state import ClusterState
 
@@ -65,9 +66,12 @@ class Invoker:
         timeout = self.config.request_timeout_s
         if timeout_header:
             try:
-                timeout = min(timeout, float(timeout_header))
+                requested = float(timeout_header)
             except ValueError:
-                raise SchedulerError("X-Ember-Timeout must be a number of seconds") from None
+                requested = math.nan
+            if math.isnan(requested) or requested <= 0:
+                raise BadRequest("X-Ember-Timeout must be a positive number of seconds")
+            timeout = min(timeout, requested)
         return time.time() + max(0.0, timeout)
 
     async def forward(
@@ -174,6 +178,8 @@ def request_model(body: bytes) -> tuple[str, Any]:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
         raise BadRequest("model: the name of a deployed function is required")
+    if not parsed["model"].isascii():  # function names are DNS labels; this also keeps lone surrogates out
+        raise FunctionNotFound(f"function {parsed['model']!r} is not deployed")
     return parsed["model"], parsed
 
 

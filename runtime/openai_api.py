@@ -10,23 +10,37 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from runtime.engine.engine import StepOutput
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import KVCacheExhausted
+from runtime.engine.scheduler import RequestFailed
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 
 
 class RequestError(Exception):
     """A client mistake: answered with HTTP 400 and an OpenAI-style error body."""
 
 
+def _unicode(text: str) -> str:
+    """``text`` if the tokenizer can take it: JSON's ``\\ud800`` escapes can carry lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a lone surrogate at position {exc.start} is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class SamplingFields(BaseModel):
@@ -35,11 +49,11 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stream: bool = False
+    stream: StrictBool = False
 
 
 class ChatRequest(SamplingFields):
@@ -47,7 +61,7 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str
+    prompt: Text
 
 
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
@@ -65,6 +79,11 @@ def sampling_params(
 ) -> SamplingParams:
     """Sampling parameters for a prompt of ``prompt_len`` tokens, or :class:`RequestError`."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    if prompt_len >= max_context:
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens and leaves no room in the model's context of "
+            f"{max_context} tokens"
+        )
     max_tokens = request.max_tokens or min(default_max, max_context - prompt_len)
     if max_tokens < 1 or prompt_len + max_tokens > max_context:
         raise RequestError(
@@ -74,7 +93,9 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=request.temperature,
+            # Dividing float32 logits by a vanishing temperature overflows them (NaN probabilities):
+            # such a temperature is greedy decoding in all but name.
+            temperature=request.temperature if request.temperature >= MIN_TEMPERATURE else 0.0,
             top_p=request.top_p,
             seed=request.seed,
             stop=stop,
@@ -155,6 +176,6 @@ async def sse_chunks(
                     "total_tokens": prompt_tokens + n,
                 }
                 yield chunk(out.text_delta, reason, usage if reason else None)
-    except KVCacheExhausted as exc:  # one error event, as OpenAI streams do
+    except RequestFailed as exc:  # one error event, as OpenAI streams do
         yield sse_event({"error": {"type": exc.code, "message": str(exc)}})
     yield sse_event("[DONE]")

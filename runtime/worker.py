@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from runtime.engine.scheduler import KVCacheExhausted
+from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.openai_api import (
@@ -86,6 +86,11 @@ class WorkerState:
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+def _failed(exc: RequestFailed) -> JSONResponse:
+    """No KV room is a 503 (retry later); an engine failure is a 500 (a bug, logged)."""
+    return _error(503 if isinstance(exc, KVCacheExhausted) else 500, exc.code, str(exc))
 
 
 async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
@@ -215,8 +220,8 @@ def build_app(state: WorkerState) -> FastAPI:
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             done = await a.binding.complete(ids, params)
-        except KVCacheExhausted as exc:
-            return _error(503, "kv_cache_exhausted", str(exc))
+        except RequestFailed as exc:
+            return _failed(exc)
         return completion_body(rid, a.name, chat, done)
 
     @app.post("/v1/chat/completions")
@@ -248,8 +253,8 @@ def build_app(state: WorkerState) -> FastAPI:
             result = await a.runner.invoke(event, rid, deadline)
         except RequestError as exc:
             return _error(400, "invalid_request_error", str(exc))
-        except KVCacheExhausted as exc:
-            return _error(503, "kv_cache_exhausted", str(exc))
+        except RequestFailed as exc:
+            return _failed(exc)
         except Exception as exc:  # the function's own code failed
             a.runner.logger.exception("request %s failed", rid)
             return _error(500, "function_error", f"{type(exc).__name__}: {exc}")

@@ -7,6 +7,7 @@ accept ``ms``, ``s``, ``m`` and ``h`` (``250ms``, ``10s``, ``1.5m``) and are kep
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -26,6 +27,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _SOURCE = re.compile(r"^(gguf:|safetensors:|pkg:[A-Za-z_][\w.]*/.+|/).+")
+MAX_DURATION_S = 7 * 24 * 3600.0
 _HANDLER = re.compile(r"^(default|[\w./-]+\.py:[A-Za-z_]\w*)$")
 
 
@@ -44,8 +46,10 @@ def parse_duration(value: Any) -> float:
         if m is None:
             raise ValueError(f"{value!r} is not a duration (examples: 250ms, 10s, 1.5m, 1h)")
         seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    if seconds < 0:
-        raise ValueError("a duration must not be negative")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("a duration must be a finite, non-negative number of seconds")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"a duration must be at most {MAX_DURATION_S:g} s (one week)")
     return seconds
 
 
@@ -102,7 +106,7 @@ class FunctionBody(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
-    latency_sensitivity: float = Field(1.0, alias="latencySensitivity", gt=0)
+    latency_sensitivity: float = Field(1.0, alias="latencySensitivity", gt=0, le=1000, allow_inf_nan=False)
     max_tokens: int = Field(2048, alias="maxTokens", ge=1)
 
     @field_validator("handler")

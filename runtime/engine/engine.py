@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,9 +14,11 @@ from tokenizers import Tokenizer
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import KVCacheExhausted, Scheduler, SchedulerConfig
+from runtime.engine.scheduler import EngineError, KVCacheExhausted, Scheduler, SchedulerConfig
 from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 from runtime.models.llama import LlamaModel
+
+log = logging.getLogger("ember.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class StepOutput:
     text_delta: str
     finish_reason: FinishReason | None
     error: str | None = None
+    error_code: str | None = None  # "kv_cache_exhausted" or "engine_error" with FinishReason.ERROR
 
 
 @dataclass(slots=True)
@@ -98,12 +102,16 @@ class Engine:
             # Fail only the request that cannot fit; everyone else keeps going.
             seq = self.scheduler.waiting.popleft()
             seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, FinishReason.ERROR, str(exc)
-            failed = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, str(exc))
+            failed = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, str(exc), exc.code)
             self._deliver(failed)
             return [failed]
         if not seqs:
             return []
-        tokens = self.runner.run(seqs)
+        try:
+            tokens = self.runner.run(seqs)
+        except Exception as exc:  # a bug or a broken input: fail this batch, keep the engine alive
+            log.exception("engine step failed; failing its %d requests", len(seqs))
+            return [self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}") for seq in seqs]
         outputs = []
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
@@ -118,6 +126,14 @@ class Engine:
             outputs.append(StepOutput(seq.seq_id, token, delta, reason))
             self._deliver(outputs[-1])
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        seq.finish_reason, seq.error = FinishReason.ERROR, message
+        self.scheduler.finish(seq)
+        self.runner.forget(seq)
+        out = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, message, "engine_error")
+        self._deliver(out)
+        return out
 
     def _deliver(self, out: StepOutput) -> None:
         queue = self._queues.get(out.seq_id)
@@ -160,7 +176,8 @@ class Engine:
             while True:
                 out = await queue.get()
                 if out.finish_reason is FinishReason.ERROR:
-                    raise KVCacheExhausted(out.error or "the request failed")
+                    kind = KVCacheExhausted if out.error_code == KVCacheExhausted.code else EngineError
+                    raise kind(out.error or "the request failed")
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -169,10 +186,25 @@ class Engine:
             self.forget(seq_id)  # also aborts it if the consumer stopped early
 
     async def run_forever(self, idle_sleep: float = 0.001) -> None:
-        """Drive :meth:`step` while the event loop runs (steps are yielded between)."""
+        """Drive :meth:`step` while the event loop runs (steps are yielded between).
+
+        An error escaping a step (scheduling bookkeeping, not the model: :meth:`step` fails
+        those requests itself) fails every request in the engine; the loop keeps serving.
+        """
         while True:
             if self.has_unfinished():
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:
+                    log.exception("engine step failed; failing every request")
+                    for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                        if seq in self.scheduler.waiting:
+                            self.scheduler.waiting.remove(seq)
+                            self._deliver(
+                                StepOutput(seq.seq_id, None, "", FinishReason.ERROR, str(exc), "engine_error")
+                            )
+                        else:
+                            self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(idle_sleep)

@@ -17,10 +17,22 @@ from runtime.engine.sequence import Sequence, SequenceStatus
 from runtime.errors import EmberRuntimeError
 
 
-class KVCacheExhausted(EmberRuntimeError):
+class RequestFailed(EmberRuntimeError):
+    """The engine could not complete a request (``code`` says why)."""
+
+    code = "request_failed"
+
+
+class KVCacheExhausted(RequestFailed):
     """A request needs more KV blocks than can be had even with nothing else running."""
 
     code = "kv_cache_exhausted"
+
+
+class EngineError(RequestFailed):
+    """A step of the engine failed (a bug or a broken input); its requests fail, others go on."""
+
+    code = "engine_error"
 
 
 @dataclass(frozen=True, slots=True)

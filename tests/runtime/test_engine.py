@@ -340,3 +340,38 @@ def test_a_stream_abandoned_early_frees_its_slot_and_blocks(tiny: RegisteredMode
         asyncio.run(run())
         assert not engine.scheduler.running and not engine.scheduler.waiting
         assert engine.blocks.num_held == 0 and engine.seqs == {}
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    import asyncio
+
+    from runtime.engine.scheduler import EngineError
+
+    config = LlamaConfig.from_hf(tiny.config)
+    kv, source = private_kv(config, BLOCK, torch.float32, 16)
+    with PoolClient(pool.socket_path) as client:
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+    engine = Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+    # A seed torch.Generator cannot take: sampling raises inside the step (a real failure).
+    poisoned = SamplingParams(max_tokens=4, temperature=1.0, seed=2**70)
+
+    async def run() -> tuple[str, list[int]]:
+        driver = asyncio.create_task(engine.run_forever())
+        try:
+            with pytest.raises(EngineError) as info:
+                async for _ in engine.stream([5, 6, 7], poisoned):
+                    pass
+            healthy = [
+                o.token_id
+                async for o in engine.stream([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            ]
+            return str(info.value), [t for t in healthy if t is not None]
+        finally:
+            driver.cancel()
+
+    message, healthy = asyncio.run(run())
+    assert "the engine failed" in message and len(healthy) == 4
+    assert not engine.scheduler.has_work() and engine.blocks.num_held == 0  # all blocks came back
