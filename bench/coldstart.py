@@ -6,7 +6,8 @@ request is the chat message "What is the capital of France?" streamed with ``tem
 TTFT is measured by this (client) process from sending the request to the first SSE chunk whose
 delta has non-empty ``content``. Measured in one run:
 
-* warm TTFT: an instance is up; N sequential streamed requests after 2 warm-ups (p50/p90);
+* warm TTFT: an instance is up; N sequential streamed requests (p50/p90) after warm-ups (at least
+  2, and until the pre-warmed worker that replaced the instance's is ready: it would compete);
 * resident cold TTFT (scale from zero): K times, wait until keep-alive expiry has stopped the
   instance (its weights stay resident in the pool) and the pre-warmed workers are replenished,
   then one request. Each start is checked to have loaded 0 bytes and reused all weight bytes
@@ -14,14 +15,17 @@ delta has non-empty ``content``. Measured in one run:
 * cold TTFT with the pool emptied: K' times, the same but with every inactive tensor evicted
   from the pool first, so the start loads the weights from the model store;
 * baseline without Ember (:func:`bench.baseline_transformers.measure`): a fresh Python process,
-  ``transformers`` ``from_pretrained`` on the same safetensors, one token; median ``total_s``;
+  ``transformers`` ``from_pretrained`` on the same safetensors, one token; median ``total_s``
+  (run after ``ember serve`` has stopped, so nothing of Ember competes with it);
 * gateway overhead: with an instance warm, a tiny non-streaming ``/v1/completions`` request
   (prompt "a", 1 token) sent M times directly to the worker's URL and M times through the
   gateway, interleaved, each side over its own pooled ``httpx.Client``; p50 difference;
-* a breakdown of the resident cold starts (p50 of each part, ms): the instance record's
-  ``start_ms`` (router: hand a pre-warmed worker its function), the worker's own assign time
-  (template, pool acquire, views, engine; from ``ember_instance_start_seconds``), the gateway's
-  time to the worker's first SSE byte (``ember_ttft_seconds``; the role chunk precedes prefill).
+* a breakdown of every cold start (``breakdown_p50_ms``: the p50 of each part, ms; see
+  :data:`BREAKDOWN`), from the instance record's ``start_ms`` and the gateway's ``/metrics``
+  (``ember_instance_start_seconds``: the worker's own assign time; ``ember_ttft_seconds``: the
+  gateway's time to the worker's first SSE byte, the role chunk, which precedes prefill).
+
+Client sockets set ``TCP_NODELAY`` (so the client's own Nagle delay stays out of the figures).
 
 Targets: resident cold TTFT p50 <= 1.5 x warm TTFT p50 and overhead p50 <= 50 ms; baseline
 total / resident cold TTFT p50 >= 20; gateway overhead p50 <= 2 ms. Prints one JSON line.
@@ -30,8 +34,11 @@ total / resident cold TTFT p50 >= 20; gateway overhead p50 <= 2 ms. Prints one J
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import re
+import socket
 import statistics
 import tempfile
 import time
@@ -53,7 +60,23 @@ FUNCTION = "coldstart-bench"
 KEEP_ALIVE = "1s"
 SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
 WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
+BREAKDOWN = {
+    "gateway_to_first_byte": "gateway gets the request -> worker's first SSE byte (ember_ttft_seconds)",
+    "instance_start": "instance record start_ms: router hands a pre-warmed worker its function, until ready",
+    "worker_assign": "in the worker: template, pool acquire, views, engine (ember_instance_start_seconds)",
+    "handover": "instance_start - worker_assign: agent <-> worker HTTP and bookkeeping",
+    "route_wake_forward": "gateway_to_first_byte - instance_start: decision, wake-up, forward, response head",
+    "prefill_to_first_token": "client TTFT - gateway_to_first_byte: prefill, first token, relay to client",
+}
 _METRIC = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def http_client(timeout: float = 300.0) -> httpx.Client:
+    """A client whose sockets set ``TCP_NODELAY``, so the client's own Nagle stays out of the figures."""
+    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    return httpx.Client(
+        transport=httpx.HTTPTransport(socket_options=nodelay), timeout=httpx.Timeout(timeout, connect=10.0)
+    )
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -79,10 +102,11 @@ class Streamed:
 class Bench:
     """HTTP helpers against one running ``ember serve``."""
 
-    def __init__(self, url: str, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int, log_path: Path | None = None) -> None:
         self.url = url
+        self.log_path = log_path
         self.max_tokens = max_tokens
-        self.http = httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0))
+        self.http = http_client()
 
     def close(self) -> None:
         self.http.close()
@@ -90,7 +114,7 @@ class Bench:
     # ----- requests ------------------------------------------------------------------------------
 
     def stream_chat(self) -> Streamed:
-        """One streamed chat request over a fresh connection (set up before the clock starts)."""
+        """One streamed chat request on a new client (made before the clock starts; the connect is timed)."""
         body = json.dumps(
             {
                 "model": FUNCTION,
@@ -102,7 +126,7 @@ class Bench:
         ).encode()
         headers = {"content-type": "application/json"}
         text, tokens, ttft = "", 0, None
-        with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        with http_client() as client:
             t0 = time.perf_counter()
             with client.stream("POST", self.url + "/v1/chat/completions", content=body, headers=headers) as r:
                 if r.status_code != 200:
@@ -163,9 +187,21 @@ class Bench:
         t0 = time.monotonic()
         while not done():
             if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}; {self.diagnosis()}")
             time.sleep(0.05)
         return time.monotonic() - t0
+
+    def diagnosis(self) -> str:
+        """What the cluster looks like (for error messages): instances, device reports, serve.log."""
+        c = self.cluster()
+        now = time.time()
+        devices = {
+            k: {"warm_workers": d.get("warm_workers"), "report_age_s": round(now - d.get("updated", 0), 1)}
+            for k, d in c["devices"].items()
+        }
+        instances = (c["functions"].get(FUNCTION) or {}).get("instances")
+        tail = self.log_path.read_text(errors="replace")[-1500:] if self.log_path else ""
+        return f"instances={instances} devices={devices} serve.log tail:\n{tail}"
 
     def warm_workers(self) -> int:
         devices = self.cluster()["devices"]
@@ -212,7 +248,7 @@ class Bench:
                 "instance_start": round(start_ms, 2),
                 "worker_assign": round(assign_ms, 2),
                 "handover": round(start_ms - assign_ms, 2),
-                "routing_and_wakeup": round(first_byte_ms - start_ms, 2),
+                "route_wake_forward": round(first_byte_ms - start_ms, 2),
                 "prefill_to_first_token": round(s.ttft_s * 1e3 - first_byte_ms, 2),
             },
         }
@@ -242,8 +278,7 @@ def gateway_overhead(b: Bench, worker_url: str, samples: int) -> dict[str, Any]:
     headers = {"content-type": "application/json"}
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
     urls = {"direct": worker_url, "gateway": b.url}
-    timeout = httpx.Timeout(60.0, connect=10.0)
-    with httpx.Client(timeout=timeout) as direct, httpx.Client(timeout=timeout) as gateway:
+    with http_client(60.0) as direct, http_client(60.0) as gateway:
         clients = {"direct": direct, "gateway": gateway}
 
         def once(side: str) -> float:
@@ -281,7 +316,7 @@ def evict_all(socket_path: str, weight_bytes: int) -> int:
         with PoolClient(socket_path) as pool:
             freed += pool.evict()
             resident = int(pool.stats()["resident_bytes"])
-        if freed > 0 and resident == 0:
+        if freed >= weight_bytes and resident == 0:
             return freed
         if time.monotonic() > deadline:
             raise RuntimeError(f"could not empty the pool: freed {freed} B, {resident} B still resident")
@@ -297,6 +332,7 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_ms": ttfts,
         "bytes_loaded": [s["bytes_loaded"] for s in samples],
         "bytes_reused": [s["bytes_reused"] for s in samples],
+        **({"evicted_bytes": [s["evicted_bytes"] for s in samples]} if "evicted_bytes" in samples[0] else {}),
         "breakdown_p50_ms": {
             k: round(statistics.median(float(s["breakdown_ms"][k]) for s in samples), 2) for k in parts
         },
@@ -318,6 +354,8 @@ def main() -> None:
     )
     parser.add_argument("--keep-home", action="store_true", help="keep EMBER_HOME (logs) and print its path")
     args = parser.parse_args()
+    if min(args.warm, args.cold, args.baseline_runs, args.overhead_samples) < 1 or args.evicted < 0:
+        parser.error("--warm, --cold, --baseline-runs and --overhead-samples must be >= 1, --evicted >= 0")
     if args.quick:
         args.warm, args.cold, args.evicted, args.baseline_runs, args.overhead_samples = 5, 3, 1, 1, 50
 
@@ -330,6 +368,8 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "keep_alive": KEEP_ALIVE,
         "prewarm": args.prewarm,
+        "cpus": os.cpu_count(),
+        "loadavg_1m_start": round(os.getloadavg()[0], 2),
     }
     tmp = tempfile.mkdtemp(prefix="ember-bench-coldstart-") if args.keep_home else None
     with tempfile.TemporaryDirectory(prefix="ember-bench-coldstart-") as scratch:
@@ -338,8 +378,9 @@ def main() -> None:
             out["ember_home"] = str(home)
         t0 = time.perf_counter()
         server = ServeProcess(home, env={"EMBER_ARENA": args.arena, "EMBER_PREWARM": str(args.prewarm)})
-        b = Bench(server.url, args.max_tokens)
+        b: Bench | None = None
         try:
+            b = Bench(server.url, args.max_tokens, server.log_path)
             out["serve_ready_s"] = round(time.perf_counter() - t0, 2)
             t0 = time.perf_counter()
             model = deploy(b)
@@ -355,8 +396,15 @@ def main() -> None:
                 k: first[k] for k in ("ttft_ms", "bytes_loaded", "bytes_reused", "breakdown_ms")
             }
             out["sample_text"] = first["text"]
-            for _ in range(2):
+            # Warm-ups (at least 2) until the replacement pre-warmed worker is ready, so it does not
+            # compete for the cores during the warm figures; each request renews the keep-alive.
+            give_up = time.monotonic() + WAIT_S
+            for i in itertools.count():
                 b.stream_chat()
+                if i >= 1 and b.warm_workers() >= args.prewarm:
+                    break
+                if time.monotonic() > give_up:
+                    raise TimeoutError(f"the pre-warmed workers were not replenished; {b.diagnosis()}")
             m0 = b.metrics()
             warm = [b.stream_chat() for _ in range(args.warm)]
             m1 = b.metrics()
@@ -366,6 +414,7 @@ def main() -> None:
             first_byte = m1.get("ember_ttft_seconds_sum", 0.0) - m0.get("ember_ttft_seconds_sum", 0.0)
             out["warm"] = {
                 "requests": args.warm,
+                "warmups": i + 1,
                 "ttft_p50_ms": round(warm_p50, 2),
                 "ttft_p90_ms": round(pct(warm_ttft, 0.9), 2),
                 "total_p50_ms": round(statistics.median(s.total_s for s in warm) * 1e3, 2),
@@ -399,10 +448,11 @@ def main() -> None:
                 sample = b.cold_start(seen)
                 sample["evicted_bytes"] = freed
                 evicted.append(sample)
-            out["evicted_cold"] = summarize(evicted)
+            out["evicted_cold"] = summarize(evicted) if evicted else None
             model_dir = Path(model["dir"])
         finally:
-            b.close()
+            if b is not None:
+                b.close()
             server.stop()
 
         # 4. the user's baseline without Ember, on an otherwise idle machine
@@ -419,6 +469,7 @@ def main() -> None:
     cold_p50 = float(out["resident_cold"]["ttft_p50_ms"])
     out["baseline_over_resident_cold"] = round(total_s * 1e3 / cold_p50, 1)
     overhead = float(out["gateway_overhead"]["overhead_p50_ms"])
+    out["breakdown_legend"] = BREAKDOWN
     out["targets"] = {
         "resident_cold_ttft_le_x_warm": 1.5,
         "resident_cold_overhead_le_ms": 50.0,
@@ -441,6 +492,7 @@ def main() -> None:
     }
     out["checks"] = checks
     out["pass"] = all(checks.values())
+    out["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     out["duration_s"] = round(time.perf_counter() - t_bench, 1)
     print(json.dumps(out))
 

@@ -165,6 +165,8 @@ def create_app(
             model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
         document = spec.to_document()
         state.put_function(spec.name, document, model)
+        if serving is not None:
+            serving.invoker.forget(spec.name)
         return document
 
     @app.get("/v1/functions", dependencies=auth)
@@ -179,6 +181,7 @@ def create_app(
     async def delete(name: str) -> Response:
         state.delete_function(name)
         if serving is not None:
+            serving.invoker.forget(name)
             await serving.router.retire(name)
         return Response(status_code=204)
 

@@ -40,10 +40,11 @@ class InvocationError(SchedulerError):
 class ProxyConfig:
     request_timeout_s: float = 300.0  # default deadline of a request (X-Ember-Timeout overrides)
     connect_retries: int = 2  # re-routes after an instance refused the connection
+    record_ttl_s: float = 1.0  # how long a function record is reused without asking Redis
 
     def __post_init__(self) -> None:
-        if self.request_timeout_s <= 0 or self.connect_retries < 0:
-            raise ValueError("request_timeout_s must be > 0 and connect_retries >= 0")
+        if self.request_timeout_s <= 0 or self.connect_retries < 0 or self.record_ttl_s < 0:
+            raise ValueError("request_timeout_s must be > 0; connect_retries and record_ttl_s >= 0")
 
 
 class Invoker:
@@ -54,6 +55,7 @@ class Invoker:
         self.router = router
         self.metrics = metrics
         self.config = config
+        self._records: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (fetched at, record)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
         self.http = httpx.AsyncClient(
             limits=limits, timeout=httpx.Timeout(config.request_timeout_s, connect=5.0)
@@ -61,6 +63,21 @@ class Invoker:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+    async def record(self, name: str) -> dict[str, Any]:
+        """The function's record, cached for ``record_ttl_s`` (this gateway's own deploys and
+        deletes invalidate it at once; other gateways' are seen within the TTL)."""
+        now = time.monotonic()
+        hit = self._records.get(name)
+        if hit is not None and now - hit[0] < self.config.record_ttl_s:
+            return hit[1]
+        record = await asyncio.to_thread(self.state.get_record, name)
+        self._records[name] = (now, record)
+        return record
+
+    def forget(self, name: str) -> None:
+        """Drop a cached record (after a deploy or delete of ``name``)."""
+        self._records.pop(name, None)
 
     def deadline(self, timeout_header: str | None) -> float:
         timeout = self.config.request_timeout_s
@@ -79,7 +96,7 @@ class Invoker:
     ) -> Response:
         """Send ``body`` to ``path`` on an instance of ``name``; returns the response to relay."""
         t0 = time.perf_counter()
-        record = await asyncio.to_thread(self.state.get_record, name)
+        record = await self.record(name)
         deadline = self.deadline(timeout)
         request_id = uuid.uuid4().hex
         headers = {

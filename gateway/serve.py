@@ -140,7 +140,10 @@ async def serve(config: ServeConfig) -> None:
                 agent.adopt_template(record["model"]["dir"])
         await agent.start()
         app = create_app(state, gateway_config, Serving(register, router, invoker, metrics, [router.run]))
-        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: only then does asyncio set TCP_NODELAY on accepted connections;
+        # without it every response's second write waits ~40 ms for a delayed ACK (Nagle).
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))
         host = f"[{config.host}]" if ":" in config.host else config.host

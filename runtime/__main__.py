@@ -11,14 +11,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
     parser.add_argument("--preload", action="append", default=[], help="registered model directory")
+    parser.add_argument("--premap", action="append", default=[], help="pool socket whose arena to map early")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process dies")
     args = parser.parse_args(argv)
-    from runtime.process import set_idle_priority
+    from runtime.process import exit_with_parent, set_idle_priority
 
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
     set_idle_priority(True)  # until assigned: import and warm up only on cores instances leave free
     import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)
     from runtime.worker import serve
 
-    serve(args.host, args.port, args.preload)
+    serve(args.host, args.port, args.preload, premap=args.premap)
     return 0
 
 

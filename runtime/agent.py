@@ -43,10 +43,15 @@ class AgentConfig:
     worker_start_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
     pool_prefault: bool = True
+    # A replacement worker warming up beside a new instance slows that instance's first
+    # requests (shared cores and caches, even at SCHED_IDLE): replenish a little later.
+    replenish_delay_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.arena_bytes < 1 << 20:
             raise ValueError("arena_bytes must be at least 1 MiB")
+        if self.replenish_delay_s < 0:
+            raise ValueError("replenish_delay_s must be >= 0")
         if self.prewarm < 0:
             raise ValueError("prewarm must be >= 0")
         if not self.node or "/" in self.node:
@@ -86,6 +91,7 @@ class NodeAgent:
         self._warm: list[_Worker] = []
         self._spawning: dict[int, asyncio.subprocess.Process] = {}  # pid -> worker still starting
         self._pending_spawns = 0  # spawn tasks not finished (including before their fork)
+        self._urgent = asyncio.Event()  # set while a launch waits for a pre-warmed worker
         self._warm_ready = asyncio.Event()
         self._instances: dict[str, _Worker] = {}
         self._templates: set[str] = set()  # model directories every new worker preloads
@@ -161,7 +167,7 @@ class NodeAgent:
         if model["dir"] not in self._templates:
             self._templates.add(model["dir"])
         worker = await self._take_warm()
-        self._spawn_in_background()  # replenish while this one serves
+        self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
         body = {
             "instance_id": instance_id,
             "spec": spec,
@@ -258,14 +264,17 @@ class NodeAgent:
 
     # ----- pre-warmed workers -----------------------------------------------------------------------
 
-    def _spawn_in_background(self) -> None:
+    def _spawn_in_background(self, delay_s: float = 0.0) -> None:
         self._pending_spawns += 1
-        task = asyncio.create_task(self._spawn())
+        task = asyncio.create_task(self._spawn(delay_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _spawn(self) -> None:
+    async def _spawn(self, delay_s: float = 0.0) -> None:
         try:
+            if delay_s:  # cut short when a request is already waiting for a worker
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), delay_s)
             preloaded = set(self._templates)
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
@@ -280,17 +289,18 @@ class NodeAgent:
 
     async def _start_worker(self) -> _Worker:
         log_path = self.log_dir / "workers" / f"worker-{time.time_ns()}.log"
-        args = [sys.executable, "-m", "runtime"]
+        args = [sys.executable, "-m", "runtime", "--parent-pid", str(os.getpid())]
         for model_dir in sorted(self._templates):
             args += ["--preload", model_dir]
+        for pool in self.pools.values():
+            args += ["--premap", pool.socket_path]
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
                 *args,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=die_with_parent(),
-            )
+            )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         assert proc.stdout is not None
         self._spawning[proc.pid] = proc
         try:
@@ -314,7 +324,9 @@ class NodeAgent:
             while self._warm:
                 worker = self._warm.pop(0)
                 if worker.proc.returncode is None:
+                    self._urgent.clear()
                     return worker
+            self._urgent.set()
             if self._pending_spawns == 0:
                 self._spawn_in_background()
             for pid in list(self._spawning):  # a request waits: no more idle-priority start-up

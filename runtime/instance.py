@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.chat import ChatTemplateError, render_chat
+from runtime.chat import ChatTemplate, ChatTemplateError
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.openai_api import ChatRequest, Completion, CompletionRequest, RequestError, sampling_params
@@ -32,6 +32,7 @@ class ModelTemplate:
     tokenizer_config: dict[str, Any]
     eos_ids: frozenset[int]
     profile: dict[str, Any]
+    chat: ChatTemplate
 
 
 def load_template(model_dir: Path) -> ModelTemplate:
@@ -44,7 +45,8 @@ def load_template(model_dir: Path) -> ModelTemplate:
     tok = Tokenizer.from_file(str(model.directory / "tokenizer.json"))
     cfg_path = model.directory / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    return ModelTemplate(model, tok, tok_cfg, frozenset(eos_ids(model, tok)), model.profile("cpu"))
+    chat = ChatTemplate(tok_cfg.get("chat_template"), tok_cfg)
+    return ModelTemplate(model, tok, tok_cfg, frozenset(eos_ids(model, tok)), model.profile("cpu"), chat)
 
 
 def warm_up(
@@ -97,9 +99,8 @@ class ModelBinding:
         return self.encode_text(request.prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        cfg = self.template.tokenizer_config
         try:
-            text = render_chat(cfg.get("chat_template"), messages, cfg)
+            text = self.template.chat.render(messages)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from None
         return self.encode_text(text)

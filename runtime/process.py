@@ -56,3 +56,21 @@ def boost(pid: int) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """In a child: get SIGTERM when ``parent_pid`` dies (or exit now if it already has).
+
+    What :func:`die_with_parent` does, but set by the child itself after it started: the
+    parent then spawns with ``posix_spawn`` instead of forking its whole address space to run
+    a ``preexec_fn`` (~20 ms for a 500 MB gateway, on every instance start).
+    """
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        sys.exit(0)

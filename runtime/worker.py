@@ -63,6 +63,7 @@ class WorkerState:
     """Everything a worker holds: preloaded templates and, once assigned, its function."""
 
     templates: dict[str, ModelTemplate] = field(default_factory=dict)
+    mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
     assignment: Assignment | None = None
     assigning: bool = False
 
@@ -106,7 +107,7 @@ async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
     t_template = time.perf_counter()
 
     def attach() -> tuple[ModelBinding, Any]:
-        client = PoolClient(body["pool_socket"])
+        client = PoolClient(body["pool_socket"], mapped=state.mapped.get(body["pool_socket"]))
         try:
             return bind(template, client, int(spec["spec"]["maxTokens"])), client
         except BaseException:
@@ -276,11 +277,13 @@ def serve(
     port: int = 0,
     preload: list[str] | None = None,
     assignment: dict[str, Any] | None = None,
+    premap: list[str] | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
     ``preload`` lists model directories whose templates are loaded before readiness;
-    ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness.
+    ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness;
+    ``premap`` lists pool sockets whose arenas are mapped and pre-faulted before readiness.
     """
     import logging
     import os
@@ -294,9 +297,14 @@ def serve(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     state = WorkerState()
+    from gpu_pool.client import premap as map_arena
+
     for model_dir in preload or []:
         state.template(model_dir, warm=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    for pool_socket in premap or []:
+        state.mapped[pool_socket] = map_arena(pool_socket)
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only for it (else ~40 ms Nagle stalls per response).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
