@@ -92,8 +92,6 @@ def _fail(verb: str, exc: Exception, code: int = 1) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from gateway.serve import ServeConfig, serve
     from gpu_pool.errors import ConfigError
 
@@ -109,7 +107,9 @@ def _serve(args: argparse.Namespace) -> int:
             config = replace(config, arena_bytes=parse_size(args.arena, "--arena"))
     except (ValueError, ConfigError) as exc:
         return _fail("serve", exc, 2)
-    asyncio.run(serve(config))
+    import uvloop  # the event loop the gateway's proxying runs on (several times faster than asyncio's)
+
+    uvloop.run(serve(config))
     return 0
 
 

@@ -322,7 +322,9 @@ def serve(
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # later prints go to the log, not the pipe
         await task
 
+    import uvloop
+
     try:
-        asyncio.run(main())
+        uvloop.run(main())
     finally:
         state.close()

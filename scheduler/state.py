@@ -140,7 +140,11 @@ class ClusterState:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "ember:") -> ClusterState:
-        return cls(redis.Redis.from_url(url, decode_responses=True), prefix)
+        # Bounded socket timeouts: the gateway makes its routing call on its event loop.
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=5.0, socket_connect_timeout=2.0
+        )
+        return cls(client, prefix)
 
     def close(self) -> None:
         """Close the connections to Redis."""
@@ -223,17 +227,29 @@ class ClusterState:
         if not ok:
             raise StateConflict(f"instance {instance_id} is not {from_state}")
 
-    def acquire(self, function: str, concurrency: int) -> tuple[str, str] | None:
+    def _once_or_retry(self, fn: Callable[[], _T], retry: bool) -> _T:
+        """``fn`` with retries, or (``retry=False``) one attempt: the gateway's event-loop fast
+        path must not sit in a retry loop; it falls back to a retrying call in a thread."""
+        if retry:
+            return self._call(fn)
+        try:
+            return fn()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StateUnavailable(f"Redis is unreachable: {exc}") from None
+
+    def acquire(self, function: str, concurrency: int, retry: bool = True) -> tuple[str, str] | None:
         """Route one request: (instance id, url) of the least loaded ready instance, or None."""
         keys = [f"{self.p}fn:{function}:instances"]
-        result = self._call(lambda: self._acquire(keys=keys, args=[self.p, concurrency]))
+        result = self._once_or_retry(lambda: self._acquire(keys=keys, args=[self.p, concurrency]), retry)
         return (str(result[0]), str(result[1])) if result else None
 
-    def release(self, instance_id: str, keep_alive_s: float, now: float | None = None) -> int:
+    def release(
+        self, instance_id: str, keep_alive_s: float, now: float | None = None, retry: bool = True
+    ) -> int:
         """A request finished; returns the instance's remaining in-flight count."""
         deadline = (now if now is not None else time.time()) + keep_alive_s
-        n = self._call(lambda: self._release(keys=[f"{self.p}instance:{instance_id}"], args=[deadline]))
-        return int(n)
+        keys = [f"{self.p}instance:{instance_id}"]
+        return int(self._once_or_retry(lambda: self._release(keys=keys, args=[deadline]), retry))
 
     def expire(self, function: str, min_scale: int, now: float | None = None) -> list[str]:
         """Instances whose keep-alive ran out, now draining (at least ``min_scale`` stay)."""
