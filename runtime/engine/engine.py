@@ -75,6 +75,7 @@ class Engine:
         self._text: dict[int, _TextState] = {}
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[StepOutput]] = {}
+        self._work = asyncio.Event()  # set by add_request: wakes an idle run_forever
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; it joins the batch at the next step boundary."""
@@ -89,6 +90,7 @@ class Engine:
         self.seqs[seq.seq_id] = seq
         self._text[seq.seq_id] = _TextState()
         self.scheduler.add(seq)
+        self._work.set()
         return seq.seq_id
 
     def has_unfinished(self) -> bool:
@@ -185,8 +187,9 @@ class Engine:
             self._queues.pop(seq_id, None)
             self.forget(seq_id)  # also aborts it if the consumer stopped early
 
-    async def run_forever(self, idle_sleep: float = 0.001) -> None:
-        """Drive :meth:`step` while the event loop runs (steps are yielded between).
+    async def run_forever(self) -> None:
+        """Drive :meth:`step` while the event loop runs (steps are yielded between). Idle, it
+        sleeps until :meth:`add_request` wakes it (no polling: idle instances burn no CPU).
 
         An error escaping a step (scheduling bookkeeping, not the model: :meth:`step` fails
         those requests itself) fails every request in the engine; the loop keeps serving.
@@ -207,7 +210,8 @@ class Engine:
                             self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(idle_sleep)
+                self._work.clear()
+                await self._work.wait()
 
     def text(self, seq_id: int) -> str:
         """Text emitted so far for a sequence."""
