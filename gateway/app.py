@@ -11,6 +11,7 @@ configured, is required as ``Authorization: Bearer KEY`` on every route but ``/h
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -164,29 +165,37 @@ def create_app(
         if serving is not None:
             model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
         document = spec.to_document()
-        state.put_function(spec.name, document, model)
+        try:
+            previous: dict[str, Any] | None = await asyncio.to_thread(state.get_record, spec.name)
+        except FunctionNotFound:
+            previous = None
+        await asyncio.to_thread(state.put_function, spec.name, document, model)
         if serving is not None:
             serving.invoker.forget(spec.name)
+            if previous is not None and (previous["spec"], previous.get("model")) != (document, model):
+                await serving.router.retire(spec.name)  # running instances serve the old version
         return document
 
+    # Handlers that only read Redis are plain functions: FastAPI runs them in its thread pool,
+    # so a Redis restart (retried for seconds) never stalls the event loop and its streams.
     @app.get("/v1/functions", dependencies=auth)
-    async def list_functions() -> dict[str, Any]:
+    def list_functions() -> dict[str, Any]:
         return {"functions": list(state.list_functions().values())}
 
     @app.get("/v1/functions/{name}", dependencies=auth)
-    async def describe(name: str) -> dict[str, Any]:
+    def describe(name: str) -> dict[str, Any]:
         return state.get_function(name)
 
     @app.delete("/v1/functions/{name}", status_code=204, dependencies=auth)
     async def delete(name: str) -> Response:
-        state.delete_function(name)
+        await asyncio.to_thread(state.delete_function, name)
         if serving is not None:
             serving.invoker.forget(name)
             await serving.router.retire(name)
         return Response(status_code=204)
 
     @app.get("/v1/functions/{name}/logs", dependencies=auth)
-    async def logs(name: str, tail: int = 200) -> PlainTextResponse:
+    def logs(name: str, tail: int = 200) -> PlainTextResponse:
         state.get_function(name)  # 404 for unknown functions
         directory = (config.logs_dir / "functions" / name) if config.logs_dir else None
         if directory is None or not directory.is_dir():
@@ -199,7 +208,7 @@ def create_app(
         return PlainTextResponse("\n".join(lines[-max(1, min(tail, 10_000)) :]) + "\n")
 
     @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict[str, Any]:
+    def models() -> dict[str, Any]:
         now = int(time.time())
         data = [
             {"id": n, "object": "model", "created": now, "owned_by": "ember"} for n in state.list_functions()
@@ -207,7 +216,7 @@ def create_app(
         return {"object": "list", "data": data}
 
     @app.get("/v1/cluster", dependencies=auth)
-    async def cluster() -> dict[str, Any]:
+    def cluster() -> dict[str, Any]:
         records = state.list_records()
         return {
             "devices": state.devices(),
@@ -235,7 +244,7 @@ def create_app(
     invoker = serving.invoker
 
     @app.get("/metrics", dependencies=auth)
-    async def metrics() -> Response:
+    def metrics() -> Response:
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/functions/{name}/invoke", dependencies=auth)

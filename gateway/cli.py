@@ -92,7 +92,7 @@ def _fail(verb: str, exc: Exception, code: int = 1) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.serve import ServeConfig, serve
+    from gateway.serve import ServeConfig, ServeError, serve
     from gpu_pool.errors import ConfigError
 
     try:
@@ -109,7 +109,10 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("serve", exc, 2)
     import uvloop  # the event loop the gateway's proxying runs on (several times faster than asyncio's)
 
-    uvloop.run(serve(config))
+    try:
+        uvloop.run(serve(config))
+    except ServeError as exc:
+        return _fail("serve", exc)
     return 0
 
 

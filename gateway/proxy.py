@@ -113,7 +113,16 @@ class Invoker:
                 self.metrics.route.labels(name).observe(time.perf_counter() - t0)
             try:  # returns once the headers are in; the body is read (or relayed) below
                 upstream = await self.http.post(route.url + path, data=body, headers=headers)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            except BaseException as exc:
+                if not isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
+                    # Anything else (a malformed response, cancellation): free the slot, then fail.
+                    with anyio.CancelScope(shield=True):
+                        await self.router.done(name, route, keep_alive, time.perf_counter() - t0)
+                    if isinstance(exc, aiohttp.ClientError):
+                        raise InvocationError(
+                            f"instance {route.instance_id} of {name!r} failed: {exc}"
+                        ) from None
+                    raise
                 await self._lost(name, route, keep_alive)
                 if attempt == self.config.connect_retries:
                     raise InvocationError(
@@ -179,10 +188,12 @@ class Invoker:
     async def _lost(self, name: str, route: Route, keep_alive: float | None) -> None:
         """The instance behind ``route`` did not answer: forget it if its process is gone."""
         await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
-        if not self.router.launcher.alive(route.instance_id):
+        launcher = self.router.launcher
+        if launcher.owns(route.instance_id) and not launcher.alive(route.instance_id):
             with contextlib.suppress(StateConflict):
                 await asyncio.to_thread(self.state.transition, route.instance_id, "ready", "gone")
             await asyncio.to_thread(self.state.forget_instance, name, route.instance_id)
+            await launcher.stop(route.instance_id)  # reap it and drop it from the agent's books
         elif keep_alive is not None:
             await self.router.done(name, route, keep_alive, 0.0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -28,6 +29,10 @@ import uvicorn
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
+
+
+class ServeError(RuntimeError):
+    """``ember serve`` cannot start (the message says why)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -102,6 +107,14 @@ async def serve(config: ServeConfig) -> None:
         api_key = secrets.token_urlsafe(24)
     gateway_config = GatewayConfig(api_key=api_key, logs_dir=config.home / "logs")
     config.home.mkdir(parents=True, exist_ok=True)
+    # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
+    # take over its Redis socket. The lock goes away with this process, however it ends.
+    lock = open(config.home / "serve.lock", "a")  # noqa: SIM115  (held for the process's life)
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ServeError(f"another `ember serve` is running with EMBER_HOME={config.home}") from None
     redis_server = None
     if config.redis_url is None:
         redis_server = EmbeddedRedis(config.home / "redis", preexec_fn=die_with_parent())
@@ -178,6 +191,7 @@ async def serve(config: ServeConfig) -> None:
         state.close()
         if redis_server is not None:
             await asyncio.to_thread(redis_server.stop)
+        lock.close()  # last: the next `ember serve` may start once everything above is down
 
 
 class _Server(uvicorn.Server):

@@ -24,8 +24,13 @@ class PoolProcess:
         extra_args: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        log_path: str | None = None,
     ) -> None:
+        """Start the daemon and wait for its readiness line. ``log_path``: where its stderr
+        goes (append); without it stderr is a pipe, which suits short-lived daemons only (a
+        long-lived one would block once an unread pipe fills)."""
         self.socket_path = str(socket_path)
+        self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed in stop())
         args = [
             sys.executable,
             "-m",
@@ -40,7 +45,7 @@ class PoolProcess:
         self.proc = subprocess.Popen(
             [*args, *extra_args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self._log if self._log is not None else subprocess.PIPE,
             text=True,
             env=dict(os.environ, **(env or {})),
             preexec_fn=preexec_fn,  # noqa: PLW1509  (callers pass async-signal-safe calls only)
@@ -48,7 +53,11 @@ class PoolProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
+            if self.proc.stderr is not None:
+                err = self.proc.stderr.read()
+            else:
+                self.proc.wait(10)
+                err = open(log_path or "", errors="replace").read()[-3000:]  # noqa: SIM115
             self.stop()
             raise PoolError(f"pool daemon failed to start: {err.strip()}")
         self.ready: dict[str, Any] = json.loads(line)
@@ -71,6 +80,8 @@ class PoolProcess:
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
+        if self._log is not None:
+            self._log.close()
 
 
 @contextmanager

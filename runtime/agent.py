@@ -117,8 +117,9 @@ class NodeAgent:
         socket_path = str(self.run_dir / "pool-cpu.sock")
         env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
         # Spawned from the event loop's thread (it lives as long as we do): see die_with_parent.
+        log = str(self.log_dir / "pool-cpu.log")
         self.pools["cpu"] = PoolProcess(
-            socket_path, self.config.arena_bytes, "cpu", (), env, die_with_parent()
+            socket_path, self.config.arena_bytes, "cpu", (), env, die_with_parent(), log_path=log
         )
         for _ in range(self.config.prewarm):
             self._spawn_in_background()
@@ -271,6 +272,7 @@ class NodeAgent:
         task.add_done_callback(self._tasks.discard)
 
     async def _spawn(self, delay_s: float = 0.0) -> None:
+        worker: _Worker | None = None
         try:
             if delay_s:  # cut short when a request is already waiting for a worker
                 with contextlib.suppress(TimeoutError):
@@ -279,11 +281,14 @@ class NodeAgent:
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
                 await self._http.post(f"{worker.url}/_ember/preload", json={"model_dir": model_dir})
-        except (LaunchError, OSError, httpx.HTTPError) as exc:
-            self.spawn_errors.append(str(exc))
+        except Exception as exc:  # a worker that is not fully ready must not linger
+            if worker is not None:
+                await self._terminate(worker)
+            self.spawn_errors.append(f"{type(exc).__name__}: {exc}")
             return
         finally:
             self._pending_spawns -= 1
+        assert worker is not None
         self._warm.append(worker)
         self._warm_ready.set()
 

@@ -49,6 +49,10 @@ class BaseLauncher(Protocol):
         """Whether the instance's process still runs."""
         ...
 
+    def owns(self, instance_id: str) -> bool:
+        """Whether this launcher runs the instance (its liveness is this launcher's to judge)."""
+        ...
+
     async def report(self) -> dict[str, dict[str, Any]]:
         """Publish the devices' pool stats to the cluster state; returns them by device id."""
         ...

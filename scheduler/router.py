@@ -54,6 +54,8 @@ class RouterConfig:
     poll_s: float = 0.05  # how often a waiting request re-checks Redis (other gateways' changes)
     handover_s: float = 0.05  # expected start of a resident instance beyond Eq. 3 (worker handover)
     report_every_s: float = 1.0
+    stale_start_s: float = 300.0  # a "starting" record no launch is running for is forgotten after this
+    start_backoff_s: float = 5.0  # minScale waits this long after a failed start before trying again
 
     def __post_init__(self) -> None:
         if min(self.tick_s, self.poll_s, self.report_every_s) <= 0 or self.handover_s < 0:
@@ -91,6 +93,8 @@ class Router:
         self._start_errors: dict[str, tuple[float, str]] = {}
         self._service_s: dict[str, float] = {}  # EWMA of request service time per function
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._launching: set[str] = set()  # instance ids whose start this router is running
+        self._unreleased: list[tuple[str, float]] = []  # slots to release once Redis answers
         self._last_report = 0.0
 
     # ----- routing --------------------------------------------------------------------------
@@ -130,7 +134,10 @@ class Router:
         try:  # fast path on the event loop, as in route()
             self.state.release(route.instance_id, keep_alive_s, retry=False)
         except StateUnavailable:
-            await asyncio.to_thread(self.state.release, route.instance_id, keep_alive_s)
+            try:
+                await asyncio.to_thread(self.state.release, route.instance_id, keep_alive_s)
+            except StateUnavailable:  # Redis away for long: release it once Redis is back
+                self._unreleased.append((route.instance_id, keep_alive_s))
         old = self._service_s.get(name)
         self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
         self._notify(name)
@@ -196,6 +203,15 @@ class Router:
     async def _start(
         self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
     ) -> None:
+        self._launching.add(instance_id)
+        try:
+            await self._launch(instance_id, name, record, device, deadline)
+        finally:
+            self._launching.discard(instance_id)
+
+    async def _launch(
+        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+    ) -> None:
         keep_alive = keep_alive_s(record)
         t0 = time.perf_counter()
         try:
@@ -219,6 +235,14 @@ class Router:
         except StateConflict:  # deleted while starting
             await self.launcher.stop(instance_id)
             return
+        except Exception as exc:  # Redis away too long: do not leave a worker nobody can route to
+            log.warning("instance %s of %s could not be marked ready: %s", instance_id, name, exc)
+            await self.launcher.stop(instance_id)
+            self._start_errors[name] = (time.time(), f"could not record the instance as ready: {exc}")
+            with contextlib.suppress(SchedulerError):
+                await asyncio.to_thread(self._forget, name, instance_id, "starting")
+            self._notify(name)
+            return
         self._start_errors.pop(name, None)
         if self.on_start is not None:
             self.on_start(name, started)
@@ -241,10 +265,16 @@ class Router:
                 await self.reconcile()
             except SchedulerError as exc:
                 log.warning("reconcile: %s", exc)
+            except Exception:  # a pool or Redis hiccup must not end keep-alive and health checks
+                log.exception("reconcile failed")
             await asyncio.sleep(self.config.tick_s)
 
     async def reconcile(self, now: float | None = None) -> None:
         """One pass: expire idle instances, forget dead ones, keep minScale, report devices."""
+        while self._unreleased:  # first, slots whose release failed while Redis was away
+            instance_id, keep_alive = self._unreleased[0]
+            await asyncio.to_thread(self.state.release, instance_id, keep_alive)
+            self._unreleased.pop(0)
         records = await asyncio.to_thread(self.state.list_records)
         names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
         mine = set(self.launcher.devices())
@@ -254,18 +284,27 @@ class Router:
             if record is None:  # deleted: drain everything it still runs
                 await self.retire(name)
             else:
-                for instance_id in await asyncio.to_thread(self.state.expire, name, min_scale, now):
+                expired = await asyncio.to_thread(self.state.expire, name, min_scale, now, sorted(mine))
+                for instance_id in expired:
                     self._spawn(self._drain(name, instance_id))
             for inst in await asyncio.to_thread(self.state.instances, name):
-                if (
-                    inst.device in mine
-                    and inst.state == "ready"
-                    and not self.launcher.alive(inst.instance_id)
-                ):
+                if inst.device not in mine:
+                    continue  # another node's agent judges its own instances
+                if inst.state == "ready" and not self.launcher.alive(inst.instance_id):
                     log.warning("instance %s of %s died; forgetting it", inst.instance_id, name)
                     await asyncio.to_thread(self._forget, name, inst.instance_id, "ready")
+                    await self.launcher.stop(inst.instance_id)  # reap it, drop it from the agent
                     self._notify(name)
-            if record is not None and min_scale > 0 and record["model"] is not None:
+                elif (
+                    inst.state == "starting"
+                    and inst.instance_id not in self._launching
+                    and time.time() - inst.created > self.config.stale_start_s
+                ):  # its start was lost (a crashed gateway, a failed write): nobody will finish it
+                    await asyncio.to_thread(self._forget, name, inst.instance_id, "starting")
+                    self._notify(name)
+            failed = self._start_errors.get(name)
+            backing_off = failed is not None and time.time() - failed[0] < self.config.start_backoff_s
+            if record is not None and min_scale > 0 and record["model"] is not None and not backing_off:
                 instances = await asyncio.to_thread(self.state.instances, name)
                 if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
                     device, _ = await self._place(record)
@@ -278,9 +317,11 @@ class Router:
             await self.launcher.report()
 
     async def retire(self, name: str) -> None:
-        """Drain and stop every instance of ``name`` (after ``delete``)."""
+        """Drain and stop every instance of ``name`` on this router's devices (after ``delete``
+        or a redeploy); other nodes' gateways retire theirs."""
+        mine = set(self.launcher.devices())
         for inst in await asyncio.to_thread(self.state.instances, name):
-            if inst.state == "ready":
+            if inst.state == "ready" and inst.device in mine:
                 try:
                     await asyncio.to_thread(self.state.transition, inst.instance_id, "ready", "draining")
                 except StateConflict:
@@ -302,7 +343,12 @@ class Router:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("scheduler task failed", exc_info=task.exception())
 
     async def close(self) -> None:
         for task in list(self._tasks):

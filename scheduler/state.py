@@ -90,13 +90,17 @@ return n
 """
 
 # Keep-alive expiry: ready, idle instances past their deadline become draining, as long as
-# at least ARGV[3] (minScale) live ones remain. KEYS: fn set. ARGV: prefix, now, min_scale.
+# at least ARGV[3] (minScale) live ones remain. KEYS: fn set. ARGV: prefix, now, min_scale,
+# then the devices whose instances the caller may drain (none listed: any device).
 _EXPIRE = """
+local allowed = {}
+for i = 4, #ARGV do allowed[ARGV[i]] = true end
 local live, idle = 0, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local f = redis.call('HMGET', ARGV[1] .. 'instance:' .. id, 'state', 'in_flight', 'deadline')
+  local f = redis.call('HMGET', ARGV[1] .. 'instance:' .. id, 'state', 'in_flight', 'deadline', 'device')
   if f[1] == 'starting' or f[1] == 'ready' then live = live + 1 end
-  if f[1] == 'ready' and tonumber(f[2]) == 0 and tonumber(f[3]) <= tonumber(ARGV[2]) then
+  if f[1] == 'ready' and tonumber(f[2]) == 0 and tonumber(f[3]) <= tonumber(ARGV[2])
+     and (#ARGV < 4 or allowed[f[4]]) then
     table.insert(idle, id)
   end
 end
@@ -251,12 +255,15 @@ class ClusterState:
         keys = [f"{self.p}instance:{instance_id}"]
         return int(self._once_or_retry(lambda: self._release(keys=keys, args=[deadline]), retry))
 
-    def expire(self, function: str, min_scale: int, now: float | None = None) -> list[str]:
-        """Instances whose keep-alive ran out, now draining (at least ``min_scale`` stay)."""
+    def expire(
+        self, function: str, min_scale: int, now: float | None = None, devices: list[str] | None = None
+    ) -> list[str]:
+        """Instances whose keep-alive ran out, now draining (at least ``min_scale`` stay); only
+        on ``devices`` when given (a gateway drains what its own agent can stop)."""
         keys = [f"{self.p}fn:{function}:instances"]
-        ids = self._call(
-            lambda: self._expire(keys=keys, args=[self.p, now if now is not None else time.time(), min_scale])
-        )
+        args: list[str | float | int] = [self.p, now if now is not None else time.time(), min_scale]
+        args += devices or []
+        ids = self._call(lambda: self._expire(keys=keys, args=args))
         return [str(i) for i in ids]
 
     def instances(self, function: str) -> list[Instance]:

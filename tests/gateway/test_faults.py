@@ -89,3 +89,14 @@ def test_redis_restart_while_idle(tmp_path: Path, external_redis: EmbeddedRedis)
             assert http.post("/v1/chat/completions", json=ask).status_code == 200
     finally:
         assert serve.stop() == 0
+
+
+def test_a_second_serve_on_the_same_home_refuses_and_leaves_the_first_alone(
+    server: ServeProcess, http: httpx.Client
+) -> None:
+    from gateway.spawn import ServeError
+
+    with pytest.raises(ServeError, match="another `ember serve` is running"):
+        ServeProcess(server.home, env={"EMBER_ARENA": "64MiB", "EMBER_PREWARM": "0"}, timeout=60)
+    assert http.get("/healthz").json() == {"status": "ok"}
+    assert (server.home / "serve.json").is_file()  # the running server's record is intact

@@ -102,3 +102,14 @@ def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
 def test_device_reports(state: ClusterState) -> None:
     state.report_device("n/cpu", {"capacity_bytes": 10, "models": {"m": {"resident_bytes": 4}}})
     assert state.devices()["n/cpu"]["models"]["m"]["resident_bytes"] == 4
+
+
+def test_expire_drains_only_the_callers_devices(state: ClusterState) -> None:
+    a = state.scale_up("f", 2, "node-a/cpu", now=0.0)
+    b = state.scale_up("f", 2, "node-b/cpu", now=0.0)
+    assert a and b
+    for i in (a, b):
+        state.transition(i, "starting", "ready", url=f"http://{i}", deadline=1.0)
+    assert state.expire("f", min_scale=0, now=5.0, devices=["node-a/cpu"]) == [a]  # b is node-b's to stop
+    assert {i.instance_id: i.state for i in state.instances("f")} == {a: "draining", b: "ready"}
+    assert state.expire("f", min_scale=0, now=5.0) == [b]  # no device filter: any device
