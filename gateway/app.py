@@ -247,29 +247,28 @@ def create_app(
     def metrics() -> Response:
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def forward(request: Request, path: str, label: str, name: str | None = None) -> Response:
+        """Relay one invocation; OpenAI routes name the function in the body's ``model``."""
+        body = await request.body()
+        if name is None:
+            name, _ = request_model(body)
+        else:
+            try:
+                json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"the event is not valid JSON: {exc}") from None
+        return await invoker.forward(name, path, body, label, request.headers.get("x-ember-timeout"))
+
     @app.post("/v1/functions/{name}/invoke", dependencies=auth)
     async def invoke(name: str, request: Request) -> Response:
-        body = await request.body()
-        try:
-            json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the event is not valid JSON: {exc}") from None
-        return await invoker.forward(name, "/invoke", body, "invoke", request.headers.get("x-ember-timeout"))
+        return await forward(request, "/invoke", "invoke", name)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        body = await request.body()
-        name, _ = request_model(body)
-        return await invoker.forward(
-            name, "/v1/chat/completions", body, "chat", request.headers.get("x-ember-timeout")
-        )
+        return await forward(request, "/v1/chat/completions", "chat")
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        body = await request.body()
-        name, _ = request_model(body)
-        return await invoker.forward(
-            name, "/v1/completions", body, "completions", request.headers.get("x-ember-timeout")
-        )
+        return await forward(request, "/v1/completions", "completions")
 
     return app

@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
         "status": _status,
     }[args.verb]  # fmt: skip
+
+    from gateway.client import GatewayError
+
     try:
         return handler(args)
+    except GatewayError as exc:  # every client verb: unreachable gateway or an error reply
+        return _fail(args.verb, exc)
     except KeyboardInterrupt:
         return 130
 
@@ -173,8 +178,6 @@ def _client(args: argparse.Namespace) -> Any:
 def _deploy(args: argparse.Namespace) -> int:
     import yaml
 
-    from gateway.client import GatewayError
-
     try:
         document = yaml.safe_load(args.file.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -186,11 +189,8 @@ def _deploy(args: argparse.Namespace) -> int:
     print(
         "deploying (the first deploy of a model registers it, which takes a few seconds)...", file=sys.stderr
     )
-    try:
-        with _client(args) as gw:
-            created = gw.call("POST", "/v1/functions", json=document).json()
-    except GatewayError as exc:
-        return _fail("deploy", exc)
+    with _client(args) as gw:
+        created = gw.call("POST", "/v1/functions", json=document).json()
     print(f"deployed {created['metadata']['name']}")
     return 0
 
@@ -198,50 +198,45 @@ def _deploy(args: argparse.Namespace) -> int:
 def _invoke(args: argparse.Namespace) -> int:
     import time
 
-    from gateway.client import GatewayError
-
-    try:
-        with _client(args) as gw:
-            spec = gw.call("GET", f"/v1/functions/{args.name}").json()
-            default = spec["spec"]["handler"] == "default"
-            if args.data is not None:
-                try:
-                    event = json.loads(args.data)
-                except json.JSONDecodeError as exc:
-                    return _fail("invoke", ValueError(f"-d is not valid JSON: {exc}"), 2)
-            elif default:
-                event = {"messages": [{"role": "user", "content": args.prompt}], "temperature": 0}
+    with _client(args) as gw:
+        spec = gw.call("GET", f"/v1/functions/{args.name}").json()
+        default = spec["spec"]["handler"] == "default"
+        if args.data is not None:
+            try:
+                event = json.loads(args.data)
+            except json.JSONDecodeError as exc:
+                return _fail("invoke", ValueError(f"-d is not valid JSON: {exc}"), 2)
+        elif default:
+            event = {"messages": [{"role": "user", "content": args.prompt}], "temperature": 0}
+        else:
+            event = {"prompt": args.prompt}
+        if isinstance(event, dict) and default:
+            if args.max_tokens is not None:
+                event["max_tokens"] = args.max_tokens
+            event["stream"] = args.stream
+        path = f"/v1/functions/{args.name}/invoke"
+        t0 = time.perf_counter()
+        ttft = None
+        if args.stream:
+            for chunk in gw.stream(path, json.dumps(event).encode()):
+                text = _chunk_text(chunk)
+                if ttft is None and text:
+                    ttft = time.perf_counter() - t0
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            answer = gw.call("POST", path, json=event).json()
+            ttft = time.perf_counter() - t0
+            choices = answer.get("choices") if isinstance(answer, dict) else None
+            if default and choices:
+                first = choices[0]
+                print(first.get("message", {}).get("content", first.get("text", "")))
             else:
-                event = {"prompt": args.prompt}
-            if isinstance(event, dict) and default:
-                if args.max_tokens is not None:
-                    event["max_tokens"] = args.max_tokens
-                event["stream"] = args.stream
-            path = f"/v1/functions/{args.name}/invoke"
-            t0 = time.perf_counter()
-            ttft = None
-            if args.stream:
-                for chunk in gw.stream(path, json.dumps(event).encode()):
-                    text = _chunk_text(chunk)
-                    if ttft is None and text:
-                        ttft = time.perf_counter() - t0
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-                sys.stdout.write("\n")
-            else:
-                answer = gw.call("POST", path, json=event).json()
-                ttft = time.perf_counter() - t0
-                choices = answer.get("choices") if isinstance(answer, dict) else None
-                if default and choices:
-                    first = choices[0]
-                    print(first.get("message", {}).get("content", first.get("text", "")))
-                else:
-                    print(json.dumps(answer, indent=2))
-            if args.timing:
-                total = time.perf_counter() - t0
-                print(f"time to first token {1e3 * (ttft or total):.0f} ms, total {1e3 * total:.0f} ms")
-    except GatewayError as exc:
-        return _fail("invoke", exc)
+                print(json.dumps(answer, indent=2))
+        if args.timing:
+            total = time.perf_counter() - t0
+            print(f"time to first token {1e3 * (ttft or total):.0f} ms, total {1e3 * total:.0f} ms")
     return 0
 
 
@@ -254,14 +249,9 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from gateway.client import GatewayError
-
-    try:
-        with _client(args) as gw:
-            functions = gw.call("GET", "/v1/functions").json()["functions"]
-            cluster = gw.call("GET", "/v1/cluster").json()["functions"]
-    except GatewayError as exc:
-        return _fail("list", exc)
+    with _client(args) as gw:
+        functions = gw.call("GET", "/v1/functions").json()["functions"]
+        cluster = gw.call("GET", "/v1/cluster").json()["functions"]
     print(f"{'NAME':<24} {'HANDLER':<10} {'MODEL':<48} INSTANCES")
     for f in functions:
         name = f["metadata"]["name"]
@@ -274,43 +264,26 @@ def _list(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     import yaml
 
-    from gateway.client import GatewayError
-
-    try:
-        with _client(args) as gw:
-            spec = gw.call("GET", f"/v1/functions/{args.name}").json()
-    except GatewayError as exc:
-        return _fail("describe", exc)
+    with _client(args) as gw:
+        spec = gw.call("GET", f"/v1/functions/{args.name}").json()
     print(yaml.safe_dump(spec, sort_keys=False), end="")
     return 0
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from gateway.client import GatewayError
-
-    try:
-        with _client(args) as gw:
-            gw.call("DELETE", f"/v1/functions/{args.name}")
-    except GatewayError as exc:
-        return _fail("delete", exc)
+    with _client(args) as gw:
+        gw.call("DELETE", f"/v1/functions/{args.name}")
     print(f"deleted {args.name}")
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from gateway.client import GatewayError
-
-    try:
-        with _client(args) as gw:
-            print(gw.call("GET", f"/v1/functions/{args.name}/logs", params={"tail": args.tail}).text, end="")
-    except GatewayError as exc:
-        return _fail("logs", exc)
+    with _client(args) as gw:
+        print(gw.call("GET", f"/v1/functions/{args.name}/logs", params={"tail": args.tail}).text, end="")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from gateway.client import GatewayError
-
     if args.socket is not None:
         from gpu_pool.client import PoolClient
 
@@ -320,11 +293,8 @@ def _status(args: argparse.Namespace) -> int:
         except ConnectionError as exc:
             return _fail("status", exc)
         return 0
-    try:
-        with _client(args) as gw:
-            cluster = gw.call("GET", "/v1/cluster").json()
-    except GatewayError as exc:
-        return _fail("status", exc)
+    with _client(args) as gw:
+        cluster = gw.call("GET", "/v1/cluster").json()
     for device_id, d in cluster["devices"].items():
         gib = 1 << 30
         print(

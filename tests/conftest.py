@@ -12,6 +12,7 @@ import torch
 from gpu_pool import store
 from gpu_pool.manifest import Manifest
 from gpu_pool.spawn import PoolProcess as SpawnedPool
+from scheduler.redis_server import EmbeddedRedis
 
 
 def random_tensors(seed: int, sizes: list[int], prefix: str = "t") -> dict[str, torch.Tensor]:
@@ -32,6 +33,17 @@ class PoolProcess(SpawnedPool):
 
     def __init__(self, socket_path: Path, arena: str = "16MiB", *extra: str) -> None:
         super().__init__(str(socket_path), arena, extra_args=extra, env={"EMBER_POOL_PREFAULT": "false"})
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A real redis-server of our own (append-only file under ``tmp_path``)."""
+    srv = EmbeddedRedis(tmp_path / "redis")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -61,28 +60,18 @@ def test_worker_killed_mid_stream(server: ServeProcess, http: httpx.Client) -> N
     assert http.delete("/v1/functions/faulty").status_code == 204
 
 
-@pytest.fixture
-def external_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    srv = EmbeddedRedis(tmp_path / "redis")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def test_redis_restart_while_idle(tmp_path: Path, external_redis: EmbeddedRedis) -> None:
+def test_redis_restart_while_idle(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     serve = ServeProcess(
         tmp_path / "home",
         env={"EMBER_ARENA": "1GiB", "EMBER_PREWARM": "1"},
-        args=("--redis", external_redis.url),
+        args=("--redis", redis_server.url),
     )
     try:
         with httpx.Client(base_url=serve.url, timeout=120) as http:
             assert http.post("/v1/functions", json=chat_spec("steady", keep_alive="30s")).status_code == 201
             ask = {"model": "steady", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
             assert http.post("/v1/chat/completions", json=ask).status_code == 200
-            external_redis.restart()  # stop + start on the same append-only file
+            redis_server.restart()  # stop + start on the same append-only file
             assert [f["metadata"]["name"] for f in http.get("/v1/functions").json()["functions"]] == [
                 "steady"
             ]

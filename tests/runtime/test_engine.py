@@ -290,17 +290,22 @@ def test_earliest_stop_string_wins(tiny: RegisteredModel, pool: PoolProcess) -> 
         assert emitted == "bb" and reason is FinishReason.STOP
 
 
+def private_kv_engine(tiny: RegisteredModel, pool: PoolProcess, num_blocks: int) -> Engine:
+    """An engine over pool weights with a private KV of ``num_blocks`` blocks."""
+    config = LlamaConfig.from_hf(tiny.config)
+    kv, source = private_kv(config, BLOCK, torch.float32, num_blocks)
+    with PoolClient(pool.socket_path) as client:
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+    return Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+
+
 def test_a_request_that_can_never_fit_fails_alone(tiny: RegisteredModel, pool: PoolProcess) -> None:
     import asyncio
 
     from runtime.engine.scheduler import KVCacheExhausted
 
-    config = LlamaConfig.from_hf(tiny.config)
-    kv, source = private_kv(config, BLOCK, torch.float32, 4)  # 16 tokens of KV in all
-    with PoolClient(pool.socket_path) as client:
-        model = LlamaModel(config, client.acquire(tiny.manifest()))
-    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
-    engine = Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+    engine = private_kv_engine(tiny, pool, 4)  # 16 tokens of KV in all
 
     async def run() -> tuple[str, list[int]]:
         driver = asyncio.create_task(engine.run_forever())
@@ -349,12 +354,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
 
     from runtime.engine.scheduler import EngineError
 
-    config = LlamaConfig.from_hf(tiny.config)
-    kv, source = private_kv(config, BLOCK, torch.float32, 16)
-    with PoolClient(pool.socket_path) as client:
-        model = LlamaModel(config, client.acquire(tiny.manifest()))
-    tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
-    engine = Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+    engine = private_kv_engine(tiny, pool, 16)
     # A seed torch.Generator cannot take: sampling raises inside the step (a real failure).
     poisoned = SamplingParams(max_tokens=4, temperature=1.0, seed=2**70)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -14,13 +13,8 @@ from scheduler.state import ClusterState
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    srv = EmbeddedRedis(tmp_path / "redis")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(redis_server: EmbeddedRedis) -> EmbeddedRedis:
+    return redis_server
 
 
 @pytest.fixture
