@@ -13,7 +13,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -135,9 +134,12 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         self.kv[sid].update(alloc.block_ids)
         self.kv_offsets.update(zip(alloc.block_ids, alloc.offsets, strict=True))
 
-    @precondition(lambda self: any(self.kv.values()))
     @rule(session=st.integers(0, NUM_SESSIONS - 1), data=st.data())
     def kv_free(self, session: int, data: st.DataObject) -> None:
+        # No precondition: rule selection then never depends on earlier outcomes, which once
+        # made Hypothesis report a flaky strategy definition; with no blocks anywhere it is a no-op.
+        if not any(self.kv.values()):
+            return
         sid = self.sids[session]
         if not self.kv[sid]:
             other = next(s for s in self.sids if self.kv[s])
