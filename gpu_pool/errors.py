@@ -59,6 +59,22 @@ class ManifestError(PoolError, ValueError):
     code = "manifest_error"
 
 
+class UntrustedManifest(ManifestError):
+    """A manifest names bytes the daemon may not load: a file outside its trusted model store
+    roots, or a tensor that differs from what the store entry holding it says (a field such
+    as the fingerprint, offset or byte count), or the daemon has no store roots at all."""
+
+    code = "untrusted_manifest"
+
+    def __init__(self, message: str, tensor: str | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.field = field
+
+    def details(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "field": self.field}
+
+
 class OutOfMemory(PoolError):
     """The arena cannot hold a request even after evicting everything evictable."""
 
@@ -104,6 +120,7 @@ ERRORS_BY_CODE: dict[str, type[PoolError]] = {
         UnsupportedVersion,
         UnknownOp,
         ManifestError,
+        UntrustedManifest,
         OutOfMemory,
         SessionError,
         LoadError,

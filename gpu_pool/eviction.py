@@ -21,6 +21,12 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
+
+_SIZE = attrgetter("size")
+_LAST_USED = attrgetter("last_used")
 
 
 class EvictionPolicy(enum.Enum):
@@ -75,18 +81,43 @@ def eviction_order(
     """Keys of ``candidates`` in the order ``policy`` evicts them."""
     cands = list(candidates)
     if policy is EvictionPolicy.MCE:
-        # Greedy for "free >= need bytes at minimal total cost" orders by cost per byte,
-        # c_j / s_j = sum_m p_m * alpha_m / b_m: ordering by c_j itself would always evict
-        # the smallest tensors of every model first, scattering holes and partial models
-        # while freeing the same bytes at the same or higher total cost. Ties (same model,
-        # or models never requested) go least recently used first, then largest first.
-        cands.sort(key=lambda c: (eviction_cost(c, models) / c.size, c.last_used, -c.size, c.key))
-    elif policy is EvictionPolicy.LRU:
+        return _mce_order(cands, models)
+    if policy is EvictionPolicy.LRU:
         cands.sort(key=lambda c: (c.last_used, c.key))
     else:
         cands.sort(key=lambda c: c.key)  # deterministic input order for a seeded shuffle
         (rng or random.Random(0)).shuffle(cands)
     return [c.key for c in cands]
+
+
+def _mce_order(cands: list[EvictionCandidate], models: Mapping[str, ModelCostInputs]) -> list[str]:
+    """MCE: cheapest expected reload per byte first.
+
+    Greedy for "free >= need bytes at minimal total cost" orders by cost per byte,
+    c_j / s_j = sum_m p_m * alpha_m / b_m: ordering by c_j itself would always evict the
+    smallest tensors of every model first, scattering holes and partial models while
+    freeing the same bytes at the same or higher total cost. Ties (same model, or models
+    never requested) go least recently used first, then largest first, then in input
+    order (the sort is stable; the Reuse Store lists tensors in a fixed order).
+
+    c_j / s_j depends only on the tensor's owners, so it is computed once per distinct
+    owner set; the sort is numpy's (this runs on every acquire that must make room, over
+    every inactive tensor of the arena).
+    """
+    if not cands:
+        return []
+    per_byte = {m: c.miss_probability * c.latency_sensitivity / c.bandwidth for m, c in models.items()}
+    owners = [c.model_ids for c in cands]
+    rate = {o: sum(per_byte.get(m, 0.0) for m in o) for o in set(owners)}
+    n = len(cands)
+    keys = [c.key for c in cands]
+    # lexsort is stable and sorts by its last key first.
+    order = np.lexsort((
+        -np.fromiter(map(_SIZE, cands), np.int64, n),
+        np.fromiter(map(_LAST_USED, cands), np.float64, n),
+        np.fromiter(map(rate.__getitem__, owners), np.float64, n),
+    ))  # fmt: skip
+    return [keys[i] for i in order.tolist()]
 
 
 class BaseRateEstimator(ABC):

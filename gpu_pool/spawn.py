@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,10 +25,13 @@ class PoolProcess:
         env: Mapping[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
         log_path: str | None = None,
+        store_roots: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
         """Start the daemon and wait for its readiness line. ``log_path``: where its stderr
         goes (append); without it stderr is a pipe, which suits short-lived daemons only (a
-        long-lived one would block once an unread pipe fills)."""
+        long-lived one would block once an unread pipe fills). ``store_roots``: the model
+        store directories it may load tensors from (``--store``; without any, and without
+        ``EMBER_POOL_STORE`` in its environment, it refuses every acquire of tensors)."""
         self.socket_path = str(socket_path)
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed in stop())
         args = [
@@ -42,6 +45,8 @@ class PoolProcess:
             "--socket",
             self.socket_path,
         ]
+        for root in store_roots:
+            args += ["--store", os.fspath(root)]
         self.proc = subprocess.Popen(
             [*args, *extra_args],
             stdout=subprocess.PIPE,

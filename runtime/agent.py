@@ -111,15 +111,27 @@ class NodeAgent:
     async def start(self) -> None:
         """Start the CPU pool and the pre-warmed workers (returns once the pool serves)."""
         from gpu_pool.spawn import PoolProcess
+        from runtime.registry import models_dir
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / "workers").mkdir(parents=True, exist_ok=True)
+        # The pool loads tensors only from store entries under its trusted roots: the models
+        # this agent registers (ensure_model) all live here.
+        store_root = models_dir(self.config.home)
+        store_root.mkdir(parents=True, exist_ok=True)
         socket_path = str(self.run_dir / "pool-cpu.sock")
         env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
         # Spawned from the event loop's thread (it lives as long as we do): see die_with_parent.
         log = str(self.log_dir / "pool-cpu.log")
         self.pools["cpu"] = PoolProcess(
-            socket_path, self.config.arena_bytes, "cpu", (), env, die_with_parent(), log_path=log
+            socket_path,
+            self.config.arena_bytes,
+            "cpu",
+            (),
+            env,
+            die_with_parent(),
+            log_path=log,
+            store_roots=(store_root,),
         )
         for _ in range(self.config.prewarm):
             self._spawn_in_background()

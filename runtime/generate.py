@@ -24,13 +24,15 @@ BLOCK = 16
 
 
 @contextmanager
-def private_pool(arena_bytes: int) -> Iterator[str]:
-    """A pool daemon of our own, on a socket in a temporary directory; yields the socket."""
+def private_pool(arena_bytes: int, store_root: Path) -> Iterator[str]:
+    """A pool daemon of our own, on a socket in a temporary directory, trusting the model
+    store under ``store_root``; yields the socket."""
     from gpu_pool.spawn import running_pool
 
     with tempfile.TemporaryDirectory(prefix="ember-generate-") as tmp:
         sock = str(Path(tmp) / "pool.sock")
-        with running_pool(sock, arena_bytes, env={"EMBER_POOL_PREFAULT": "false"}):
+        env = {"EMBER_POOL_PREFAULT": "false"}
+        with running_pool(sock, arena_bytes, env=env, store_roots=(store_root,)):
             yield sock
 
 
@@ -73,7 +75,7 @@ def generate(
     kv_blocks = -(-(len(ids) + params.max_tokens) // BLOCK) + 8
     manifest = model_reg.manifest()
     arena = manifest.nbytes + kv_blocks * block_bytes + (64 << 20)
-    with private_pool(arena) as sock, PoolClient(sock) as client:
+    with private_pool(arena, model_reg.store_path) as sock, PoolClient(sock) as client:
         model = LlamaModel(config, client.acquire(manifest))
         kv = arena_kv_view(client.arena(), config, BLOCK, torch_dtype, block_bytes)
         engine = Engine(

@@ -29,10 +29,19 @@ def write_entry(root: Path, name: str, tensors: dict[str, torch.Tensor]) -> Mani
 
 
 class PoolProcess(SpawnedPool):
-    """A pool daemon for tests: no pre-faulting, ``arena`` defaulting to 16 MiB."""
+    """A pool daemon for tests: no pre-faulting, ``arena`` defaulting to 16 MiB, trusting the
+    model store roots in ``store`` (none: it refuses every acquire of tensors)."""
 
-    def __init__(self, socket_path: Path, arena: str = "16MiB", *extra: str) -> None:
-        super().__init__(str(socket_path), arena, extra_args=extra, env={"EMBER_POOL_PREFAULT": "false"})
+    def __init__(
+        self, socket_path: Path, arena: str = "16MiB", *extra: str, store: tuple[Path, ...] = ()
+    ) -> None:
+        super().__init__(
+            str(socket_path),
+            arena,
+            extra_args=extra,
+            env={"EMBER_POOL_PREFAULT": "false"},
+            store_roots=store,
+        )
 
 
 @pytest.fixture
@@ -47,8 +56,16 @@ def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def pool_process(tmp_path: Path) -> Iterator[PoolProcess]:
-    pool = PoolProcess(tmp_path / "pool.sock")
+def store_root(tmp_path: Path) -> Path:
+    """The model store root of a test: entries written under it load into ``pool_process``."""
+    root = tmp_path / "store"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture
+def pool_process(tmp_path: Path, store_root: Path) -> Iterator[PoolProcess]:
+    pool = PoolProcess(tmp_path / "pool.sock", store=(store_root,))
     try:
         yield pool
     finally:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_pool import packing
 from gpu_pool.allocator import (
     MergeCosts,
     PackingPolicy,
@@ -18,6 +19,7 @@ from gpu_pool.allocator import (
     plan_kv,
 )
 from gpu_pool.errors import OutOfMemory
+from gpu_pool.packing import _try_packing, runs_of
 from gpu_pool.regions import Region, RegionKind, build_region_list
 
 UNIT = 256
@@ -230,3 +232,60 @@ def test_kv_plans_never_touch_fixed_regions(
     # Eviction happens only when free space alone could not hold the blocks.
     if not aligned and sum(r.size // block for r in regions if r.is_free) >= num_blocks:
         assert not evicted
+
+
+def greedy_two_halves(sizes: list[int], cap1: int, cap2: int) -> bool:
+    """TryPacking one tensor at a time (the reference for the per-run closed form)."""
+    for size in sizes:
+        if cap1 >= cap2:
+            if size > cap1:
+                return False
+            cap1 -= size
+        else:
+            if size > cap2:
+                return False
+            cap2 -= size
+    return True
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.lists(st.sampled_from([1, 2, 3, 5, 8, 13]), min_size=1, max_size=30),
+    st.integers(0, 120),
+    st.integers(0, 120),
+)
+def test_try_packing_by_runs_matches_one_tensor_at_a_time(sizes: list[int], cap1: int, cap2: int) -> None:
+    sizes.sort(reverse=True)
+    runs = runs_of([TensorRequest(f"t{i}", s) for i, s in enumerate(sizes)])
+    assert _try_packing(runs, cap1, cap2) == greedy_two_halves(sizes, cap1, cap2)
+
+
+def best_fit_one_at_a_time(free: list[tuple[int, int]], desc: list[TensorRequest]) -> dict[str, int] | None:
+    """Best-fit decreasing one tensor at a time (the reference for the per-run version)."""
+    by_size = sorted((size, offset) for offset, size in free)
+    placements = {}
+    for r in desc:
+        i = bisect.bisect_left(by_size, (r.size, -1))
+        if i == len(by_size):
+            return None
+        size, offset = by_size.pop(i)
+        placements[r.key] = offset
+        if size > r.size:
+            bisect.insort(by_size, (size - r.size, offset + r.size))
+    return placements
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=20),
+)
+def test_best_fit_by_runs_matches_one_tensor_at_a_time(gaps: list[int], sizes: list[int]) -> None:
+    free = list(zip(itertools.accumulate([0, *gaps[:-1]], lambda acc, g: acc + g + 100), gaps, strict=True))
+    desc = sorted((TensorRequest(f"t{i}", s) for i, s in enumerate(sizes)), key=lambda r: -r.size)
+    total = sum(sizes)
+    if max(gaps) >= total:
+        return  # the whole-block case places the request contiguously instead
+    got = packing.place_direct([o for o, _ in free], gaps, desc, desc, runs_of(desc), total)
+    want = best_fit_one_at_a_time(free, desc)
+    assert got == want

@@ -59,8 +59,11 @@ def test_reuse_store_state_machine_on_cuda(manifests: list[Manifest]) -> None:  
 @pytest.fixture
 def cuda_pool(tmp_path: Path) -> Iterator[str]:
     sock = str(tmp_path / "cuda.sock")
+    store_root = tmp_path / "store"  # where the tests write their entries
+    store_root.mkdir()
+    cmd = [sys.executable, "-m", "gpu_pool", "--device", "cuda:0", "--arena", "64MiB", "--socket", sock]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpu_pool", "--device", "cuda:0", "--arena", "64MiB", "--socket", sock],
+        [*cmd, "--store", str(store_root)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def manifest(tmp_path: Path) -> Manifest:
-    return write_entry(tmp_path / "store", "m", random_tensors(1, [1000, 250_000, 7, 4096]))
+def manifest(store_root: Path) -> Manifest:
+    return write_entry(store_root, "m", random_tensors(1, [1000, 250_000, 7, 4096]))
 
 
 def run_client(code: str, *args: str) -> subprocess.Popen[str]:
@@ -181,9 +181,9 @@ def test_random_garbage_and_abrupt_disconnects_do_not_stop_the_daemon(pool_proce
 
 
 def test_request_that_cannot_fit_names_bytes_needed_and_available(
-    pool_process: PoolProcess, tmp_path: Path
+    pool_process: PoolProcess, store_root: Path
 ) -> None:
-    huge = write_entry(tmp_path / "store", "huge", random_tensors(2, [20 << 20]))
+    huge = write_entry(store_root, "huge", random_tensors(2, [20 << 20]))
     with PoolClient(pool_process.socket_path) as c:
         with pytest.raises(RemotePoolError) as info:
             c.acquire(huge)
@@ -201,10 +201,8 @@ def test_request_that_cannot_fit_names_bytes_needed_and_available(
         assert c.stats()["capacity_bytes"] == 16 << 20
 
 
-def test_many_concurrent_sessions(pool_process: PoolProcess, tmp_path: Path) -> None:
-    manifests = [
-        write_entry(tmp_path / "store", f"m{i}", random_tensors(10 + i, [300_000, 5000])) for i in range(4)
-    ]
+def test_many_concurrent_sessions(pool_process: PoolProcess, store_root: Path) -> None:
+    manifests = [write_entry(store_root, f"m{i}", random_tensors(10 + i, [300_000, 5000])) for i in range(4)]
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:

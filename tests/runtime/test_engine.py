@@ -31,8 +31,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
 
 
 @pytest.fixture
-def pool(tmp_path: Path) -> Iterator[PoolProcess]:
-    p = PoolProcess(tmp_path / "pool.sock", "8MiB")
+def pool(tiny: RegisteredModel, tmp_path: Path) -> Iterator[PoolProcess]:
+    p = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.store_path,))
     try:
         yield p
     finally:
@@ -108,14 +108,14 @@ def test_nearly_full_pool_preempts_and_still_completes(tiny: RegisteredModel, tm
     block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
     ps = prompts(8)
     long = SamplingParams(max_tokens=20, ignore_eos=True)
-    roomy_pool = PoolProcess(tmp_path / "a.sock", "8MiB")
+    roomy_pool = PoolProcess(tmp_path / "a.sock", "8MiB", store=(tiny.store_path,))
     try:
         with PoolClient(roomy_pool.socket_path) as roomy:
             reference = make_engine(tiny, roomy)
             expected = [reference.generate([p], long)[0].output_ids for p in ps]
     finally:
         roomy_pool.stop()
-    pool = PoolProcess(tmp_path / "b.sock", "2MiB")
+    pool = PoolProcess(tmp_path / "b.sock", "2MiB", store=(tiny.store_path,))
     try:
         with PoolClient(pool.socket_path) as client, PoolClient(pool.socket_path) as hog:
             engine = make_engine(tiny, client, refill=1)

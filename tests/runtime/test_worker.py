@@ -28,7 +28,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
 
 @pytest.fixture
 def served(tiny: RegisteredModel, tmp_path: Path) -> Iterator[tuple[str, PoolProcess]]:
-    pool = PoolProcess(tmp_path / "pool.sock", "8MiB")
+    pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.store_path,))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "worker", "--name", "tiny", "--model-dir", str(tiny.directory),
          "--pool-socket", pool.socket_path],
