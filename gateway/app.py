@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -25,7 +26,9 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import Receive, Scope
 
+from gateway.fastpath import InvocationFastPath, read_body
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
 from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
@@ -83,6 +86,14 @@ class Serving:
     )  # run while serving
 
 
+log = logging.getLogger("ember.gateway")
+
+# Errors that are the client's or the cluster's, mapped to HTTP without a traceback in the log.
+HANDLED: tuple[type[Exception], ...] = (
+    SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError,
+)  # fmt: skip
+
+
 def create_app(
     state: ClusterState, config: GatewayConfig | None = None, serving: Serving | None = None
 ) -> FastAPI:
@@ -124,18 +135,21 @@ def create_app(
             {"error": {"type": kind, "message": message}}, status_code=status, headers=headers
         )
 
-    for cls in (SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError):
+    for cls in HANDLED:
         app.add_exception_handler(cls, lambda _req, exc: error(exc))
     # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
     app.add_exception_handler(Exception, lambda _req, exc: error(exc))
 
-    async def authorize(request: Request) -> None:
+    def check_key(authorization: str) -> None:
+        """Raise Unauthorized unless the ``Authorization`` header carries the API key (if any)."""
         if config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
+        token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), config.api_key.encode()):
             raise Unauthorized("missing or wrong API key (send Authorization: Bearer KEY)")
+
+    async def authorize(request: Request) -> None:
+        check_key(request.headers.get("authorization", ""))
 
     auth = [Depends(authorize)]
 
@@ -247,9 +261,8 @@ def create_app(
     def metrics() -> Response:
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def forward(request: Request, path: str, label: str, name: str | None = None) -> Response:
+    async def relay(body: bytes, path: str, label: str, name: str | None, timeout: str | None) -> Response:
         """Relay one invocation; OpenAI routes name the function in the body's ``model``."""
-        body = await request.body()
         if name is None:
             name, _ = request_model(body)
         else:
@@ -257,7 +270,30 @@ def create_app(
                 json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the event is not valid JSON: {exc}") from None
-        return await invoker.forward(name, path, body, label, request.headers.get("x-ember-timeout"))
+        return await invoker.forward(name, path, body, label, timeout)
+
+    async def forward(request: Request, path: str, label: str, name: str | None = None) -> Response:
+        return await relay(await request.body(), path, label, name, request.headers.get("x-ember-timeout"))
+
+    async def fast_forward(
+        scope: Scope, receive: Receive, path: str, label: str, name: str | None
+    ) -> Response | None:
+        """:func:`forward` without FastAPI's routing, dependency solving and request objects
+        (see :class:`gateway.fastpath.InvocationFastPath`); None if the client hung up."""
+        try:
+            headers = dict(scope["headers"])
+            check_key(headers.get(b"authorization", b"").decode("latin-1"))
+            body = await read_body(receive)
+            if body is None:
+                return None
+            timeout = headers.get(b"x-ember-timeout")
+            return await relay(body, path, label, name, timeout.decode("latin-1") if timeout else None)
+        except Exception as exc:
+            if not isinstance(exc, HANDLED):
+                log.exception("invocation failed")
+            return error(exc)
+
+    app.add_middleware(InvocationFastPath, forward=fast_forward)
 
     @app.post("/v1/functions/{name}/invoke", dependencies=auth)
     async def invoke(name: str, request: Request) -> Response:

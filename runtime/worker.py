@@ -38,6 +38,7 @@ from runtime.openai_api import (
 )
 from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
+from runtime.server_timing import ServerTiming
 
 DEFAULT_HANDLER = "default"
 
@@ -144,6 +145,7 @@ def build_app(state: WorkerState) -> FastAPI:
             state.close()
 
     app = FastAPI(title="ember worker", lifespan=lifespan)
+    app.add_middleware(ServerTiming)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -168,6 +168,11 @@ def test_unknown_functions(http: httpx.Client, deployed: str) -> None:
         body = json.dumps({"model": model, "prompt": "hi"})
         missing = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert_error(missing, 404, "function_not_found", "is not deployed")
+    # Paths the invocation fast path does not claim fall through to the app's routing.
+    for path in ("/v1/functions//invoke", "/v1/functions/a/b/invoke", "/v1/completions/extra"):
+        response = http.post(path, json={"prompt": "hi"})
+        assert response.status_code == 404 and response.headers["content-type"].startswith("application/json")
+    assert http.get("/v1/completions").status_code == 405
 
 
 def test_prompts_longer_than_the_context(http: httpx.Client, deployed: str) -> None:

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from gateway.spawn import ServeProcess
+from runtime.server_timing import duration_ms
 from tests.gateway.conftest import FUNCTIONS, chat_spec, instances, wait_for
 
 pytestmark = pytest.mark.slow
@@ -84,6 +85,9 @@ def test_custom_handler_with_static_init(http: httpx.Client) -> None:
     assert out.status_code == 200, out.text
     body = out.json()
     assert body["summary"] and body["input_chars"] == len(text) and body["completion_tokens"] >= 1
+    # The worker's own service time comes back through the gateway (W3C Server-Timing).
+    service_ms = duration_ms(out.headers.get("server-timing"))
+    assert service_ms is not None and 0 < service_ms < 60_000
     bad = http.post("/v1/functions/summarize/invoke", json={"txt": "typo"})
     assert bad.status_code == 400 and "text" in bad.json()["error"]["message"]
     logs = http.get("/v1/functions/summarize/logs").text
