@@ -131,7 +131,9 @@ class Invoker:
                 if not isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
                     # Anything else (a malformed response, cancellation): free the slot, then fail.
                     with anyio.CancelScope(shield=True):
-                        await self.router.done(name, route, keep_alive, time.perf_counter() - t0)
+                        await self.router.done(
+                            name, route, keep_alive, time.perf_counter() - t0, reusable=False
+                        )
                     if isinstance(exc, aiohttp.ClientError):
                         raise InvocationError(
                             f"instance {route.instance_id} of {name!r} failed: {exc}"
@@ -145,11 +147,11 @@ class Invoker:
                 continue
             break
 
-        async def finish(status: int) -> None:
+        async def finish(status: int, reusable: bool) -> None:
             elapsed = time.perf_counter() - t0
             self.metrics.requests.labels(name, route_label, str(status)).inc()
             self.metrics.latency.labels(name).observe(elapsed)
-            await self.router.done(name, route, keep_alive, elapsed)
+            await self.router.done(name, route, keep_alive, elapsed, reusable)
 
         status = upstream.status
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
@@ -157,7 +159,7 @@ class Invoker:
                 content = await upstream.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 upstream.close()
-                await finish(502)
+                await finish(502, False)
                 self.metrics.errors.labels(name, "instance_failed").inc()
                 raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
             self.metrics.ttft.labels(name).observe(time.perf_counter() - t0)
@@ -170,7 +172,7 @@ class Invoker:
                 status_code=status,
                 headers={"server-timing": timing} if timing else None,
                 media_type=upstream.headers.get("content-type", "application/json"),
-                background=BackgroundTask(finish, status),
+                background=BackgroundTask(finish, status, True),
             )
 
         async def relay() -> AsyncIterator[bytes]:
@@ -197,7 +199,7 @@ class Invoker:
                         upstream.release()  # the connection goes back to the pool
                     else:
                         upstream.close()  # abandoned: the worker must see the hang-up and stop
-                    await finish(status)
+                    await finish(status, complete)
 
         timing = upstream.headers.get("server-timing")
         return StreamingResponse(
@@ -212,12 +214,13 @@ class Invoker:
         await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
         launcher = self.router.launcher
         if launcher.owns(route.instance_id) and not launcher.alive(route.instance_id):
+            await self.router.drop_leases(name, route.instance_id)
             with contextlib.suppress(StateConflict):
                 await asyncio.to_thread(self.state.transition, route.instance_id, "ready", "gone")
             await asyncio.to_thread(self.state.forget_instance, name, route.instance_id)
             await launcher.stop(route.instance_id)  # reap it and drop it from the agent's books
         elif keep_alive is not None:
-            await self.router.done(name, route, keep_alive, 0.0)
+            await self.router.release(route, keep_alive)
 
 
 def _error_type(content: bytes) -> str:

@@ -10,6 +10,14 @@ keep-alive drain and stop (their tensors stay resident), dead workers are forgot
 minScale is kept, and the devices' pool stats are re-reported. Every state change goes
 through :class:`ClusterState`'s atomic scripts, so several gateways never double-start or
 double-stop.
+
+Slot leases: when a request finishes, its slot stays held in Redis for ``lease_s`` (0.25 s)
+and the next request of the same function on this gateway takes it without a Redis round
+trip (two fewer per request in a burst: most of the gateway's 2 ms budget). A lease is
+freed when it times out (then the keep-alive clock starts, so keep-alive is at most
+``lease_s`` longer), at once when its request failed, and when its instance dies, its
+function is redeployed or deleted, or the gateway stops. While held it counts as in flight
+for other gateways, which therefore route around it or scale up as if it were busy.
 """
 
 from __future__ import annotations
@@ -56,10 +64,16 @@ class RouterConfig:
     report_every_s: float = 1.0
     stale_start_s: float = 300.0  # a "starting" record no launch is running for is forgotten after this
     start_backoff_s: float = 5.0  # minScale waits this long after a failed start before trying again
+    # A finished request's slot stays with this gateway this long (s) before it goes back to
+    # Redis: the next request of the function takes it without a Redis round trip (0: off).
+    lease_s: float = 0.25
+    max_leases: int = 8  # per function
 
     def __post_init__(self) -> None:
         if min(self.tick_s, self.poll_s, self.report_every_s) <= 0 or self.handover_s < 0:
             raise ValueError("tick_s, poll_s and report_every_s must be > 0; handover_s >= 0")
+        if not 0 <= self.lease_s <= 5 or self.max_leases < 0:
+            raise ValueError("lease_s must be in [0, 5] and max_leases >= 0")
 
 
 class Route(NamedTuple):
@@ -67,6 +81,15 @@ class Route(NamedTuple):
     url: str
     cold: bool  # the request waited for an instance to start
     waited_s: float
+
+
+@dataclass(eq=False, slots=True)
+class _Lease:
+    """A free slot of an instance that this gateway still holds in Redis (see ``lease_s``)."""
+
+    route: Route
+    keep_alive_s: float
+    timer: asyncio.TimerHandle | None = None
 
 
 def keep_alive_s(record: dict[str, Any]) -> float:
@@ -95,12 +118,16 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._launching: set[str] = set()  # instance ids whose start this router is running
         self._unreleased: list[tuple[str, float]] = []  # slots to release once Redis answers
+        self._leases: dict[str, list[_Lease]] = {}  # function -> held free slots, newest last
         self._last_report = 0.0
 
     # ----- routing --------------------------------------------------------------------------
 
     async def route(self, name: str, record: dict[str, Any], deadline: float) -> Route:
         """An instance for one request of ``name`` (see module docstring)."""
+        leased = self._take_lease(name)
+        if leased is not None:
+            return leased
         scaling = record["spec"]["spec"]["scaling"]
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
             hit = self.state.acquire(name, scaling["concurrency"], retry=False)
@@ -113,6 +140,9 @@ class Router:
         self._waiting[name] = self._waiting.get(name, 0) + 1
         try:
             while True:
+                leased = self._take_lease(name)  # a request on this gateway just finished
+                if leased is not None:
+                    return Route(leased.instance_id, leased.url, True, time.monotonic() - t0)
                 hit = await asyncio.to_thread(self.state.acquire, name, scaling["concurrency"])
                 if hit is not None:
                     return Route(hit[0], hit[1], True, time.monotonic() - t0)
@@ -129,8 +159,27 @@ class Router:
         finally:
             self._waiting[name] -= 1
 
-    async def done(self, name: str, route: Route, keep_alive_s: float, service_s: float) -> None:
-        """A request finished on ``route``: free its slot, restart the keep-alive clock."""
+    async def done(
+        self, name: str, route: Route, keep_alive_s: float, service_s: float, reusable: bool = True
+    ) -> None:
+        """A request finished on ``route``: its slot is leased for the next request of ``name``
+        (``lease_s``), or freed at once when not ``reusable`` (the request failed) or leases
+        are off or full; either way the keep-alive clock restarts when the slot is freed."""
+        old = self._service_s.get(name)
+        self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
+        leases = self._leases.setdefault(name, [])
+        if reusable and self.config.lease_s > 0 and len(leases) < self.config.max_leases:
+            lease = _Lease(route, keep_alive_s)
+            lease.timer = asyncio.get_running_loop().call_later(
+                self.config.lease_s, self._lease_expired, name, lease
+            )
+            leases.append(lease)
+        else:
+            await self.release(route, keep_alive_s)
+        self._notify(name)
+
+    async def release(self, route: Route, keep_alive_s: float) -> None:
+        """Free ``route``'s slot in Redis now and restart its instance's keep-alive clock."""
         try:  # fast path on the event loop, as in route()
             self.state.release(route.instance_id, keep_alive_s, retry=False)
         except StateUnavailable:
@@ -138,9 +187,33 @@ class Router:
                 await asyncio.to_thread(self.state.release, route.instance_id, keep_alive_s)
             except StateUnavailable:  # Redis away for long: release it once Redis is back
                 self._unreleased.append((route.instance_id, keep_alive_s))
-        old = self._service_s.get(name)
-        self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
-        self._notify(name)
+
+    def _take_lease(self, name: str) -> Route | None:
+        leases = self._leases.get(name)
+        if not leases:
+            return None
+        lease = leases.pop()
+        if lease.timer is not None:
+            lease.timer.cancel()
+        return lease.route._replace(cold=False, waited_s=0.0)
+
+    def _lease_expired(self, name: str, lease: _Lease) -> None:
+        leases = self._leases.get(name, [])
+        if lease in leases:
+            leases.remove(lease)
+            self._spawn(self.release(lease.route, lease.keep_alive_s))
+
+    async def drop_leases(self, name: str, instance_id: str | None = None) -> None:
+        """Free the leased slots of ``name`` (of one instance only, when given) at once: the
+        instance is going away, or the function changed."""
+        leases = self._leases.get(name, [])
+        dropped = [lease for lease in leases if instance_id in (None, lease.route.instance_id)]
+        self._leases[name] = [lease for lease in leases if lease not in dropped]
+        for lease in dropped:
+            if lease.timer is not None:
+                lease.timer.cancel()
+            with contextlib.suppress(SchedulerError):
+                await self.release(lease.route, lease.keep_alive_s)
 
     async def _scale_up(self, name: str, record: dict[str, Any], deadline: float) -> None:
         scaling = record["spec"]["spec"]["scaling"]
@@ -292,6 +365,7 @@ class Router:
                     continue  # another node's agent judges its own instances
                 if inst.state == "ready" and not self.launcher.alive(inst.instance_id):
                     log.warning("instance %s of %s died; forgetting it", inst.instance_id, name)
+                    await self.drop_leases(name, inst.instance_id)
                     await asyncio.to_thread(self._forget, name, inst.instance_id, "ready")
                     await self.launcher.stop(inst.instance_id)  # reap it, drop it from the agent
                     self._notify(name)
@@ -319,6 +393,7 @@ class Router:
     async def retire(self, name: str) -> None:
         """Drain and stop every instance of ``name`` on this router's devices (after ``delete``
         or a redeploy); other nodes' gateways retire theirs."""
+        await self.drop_leases(name)
         mine = set(self.launcher.devices())
         for inst in await asyncio.to_thread(self.state.instances, name):
             if inst.state == "ready" and inst.device in mine:
@@ -351,6 +426,9 @@ class Router:
             log.error("scheduler task failed", exc_info=task.exception())
 
     async def close(self) -> None:
+        """Free every leased slot, then stop the scheduler's tasks."""
+        for name in list(self._leases):
+            await self.drop_leases(name)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

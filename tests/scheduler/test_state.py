@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,15 +14,6 @@ from scheduler.state import ClusterState
 @pytest.fixture
 def server(redis_server: EmbeddedRedis) -> EmbeddedRedis:
     return redis_server
-
-
-@pytest.fixture
-def state(server: EmbeddedRedis) -> Iterator[ClusterState]:
-    s = ClusterState.from_url(server.url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_functions_crud_and_survive_a_restart(server: EmbeddedRedis, state: ClusterState) -> None:

@@ -1,0 +1,152 @@
+"""Slot leases of the router against a real redis-server: a finished request's slot serves
+the next request of the function without a Redis round trip, and goes back to Redis after
+``lease_s``, at once when the request failed, or when the instance or function goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from scheduler.launcher import StartedInstance
+from scheduler.router import Route, Router, RouterConfig
+from scheduler.state import ClusterState
+
+DEVICE = "n/cpu"
+RECORD: dict[str, Any] = {
+    "spec": {"spec": {"scaling": {"concurrency": 1, "minScale": 0, "maxScale": 1, "keepAlive": "30s"}}},
+    "model": None,
+}
+
+
+class RoutingOnlyLauncher:
+    """A gateway that routes to instances already running and starts none (every route in
+    these tests finds a ready instance or a lease, so nothing is ever launched)."""
+
+    def devices(self) -> list[str]:
+        return [DEVICE]
+
+    async def launch(
+        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+    ) -> StartedInstance:
+        raise RuntimeError("this gateway starts no instances")
+
+    async def stop(self, instance_id: str) -> None:
+        return None
+
+    def alive(self, instance_id: str) -> bool:
+        return True
+
+    def owns(self, instance_id: str) -> bool:
+        return False
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+def ready_instance(state: ClusterState, name: str = "f") -> str:
+    instance_id = state.scale_up(name, 1, DEVICE)
+    assert instance_id is not None
+    state.transition(instance_id, "starting", "ready", url="http://127.0.0.1:9", deadline=time.time() + 30)
+    return instance_id
+
+
+def in_flight(state: ClusterState, name: str = "f") -> int:
+    return sum(i.in_flight for i in state.instances(name))
+
+
+def router(state: ClusterState, lease_s: float) -> Router:
+    return Router(state, RoutingOnlyLauncher(), RouterConfig(lease_s=lease_s))
+
+
+def test_a_leased_slot_serves_the_next_request_then_goes_back(state: ClusterState) -> None:
+    instance_id = ready_instance(state)
+
+    async def scenario() -> None:
+        r = router(state, lease_s=0.2)
+        first = await r.route("f", RECORD, time.time() + 10)
+        assert first.instance_id == instance_id and in_flight(state) == 1
+        await r.done("f", first, 30.0, 0.01)
+        assert in_flight(state) == 1  # still held: leased to this gateway
+        second = await r.route("f", RECORD, time.time() + 10)
+        assert second == Route(instance_id, first.url, False, 0.0) and in_flight(state) == 1
+        await r.done("f", second, 30.0, 0.01)
+        await asyncio.sleep(0.5)  # past lease_s: the slot is back in Redis, keep-alive restarted
+        assert in_flight(state) == 0
+        (inst,) = state.instances("f")
+        assert inst.deadline > time.time() + 25
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_failed_requests_release_at_once_and_leases_off_means_no_lease(state: ClusterState) -> None:
+    ready_instance(state)
+
+    async def scenario() -> None:
+        r = router(state, lease_s=5.0)
+        route = await r.route("f", RECORD, time.time() + 10)
+        await r.done("f", route, 30.0, 0.01, reusable=False)
+        assert in_flight(state) == 0
+        off = router(state, lease_s=0.0)
+        route = await off.route("f", RECORD, time.time() + 10)
+        await off.done("f", route, 30.0, 0.01)
+        assert in_flight(state) == 0
+        await r.close()
+        await off.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_takes_the_lease_without_waiting_for_it_to_expire(state: ClusterState) -> None:
+    ready_instance(state)
+
+    async def scenario() -> None:
+        r = router(state, lease_s=5.0)  # far longer than the test may take
+        busy = await r.route("f", RECORD, time.time() + 10)  # concurrency 1: the only slot
+
+        async def later() -> None:
+            await asyncio.sleep(0.1)
+            await r.done("f", busy, 30.0, 0.01)
+
+        t0 = time.monotonic()
+        finisher = asyncio.create_task(later())
+        waited = await r.route("f", RECORD, time.time() + 10)
+        await finisher
+        assert waited.instance_id == busy.instance_id and time.monotonic() - t0 < 1.0
+        assert in_flight(state) == 1
+        await r.done("f", waited, 30.0, 0.01)
+        await r.close()  # shutdown frees held slots
+        assert in_flight(state) == 0
+
+    asyncio.run(scenario())
+
+
+def test_retire_and_dead_instances_drop_their_leases(state: ClusterState) -> None:
+    instance_id = ready_instance(state)
+
+    async def scenario() -> None:
+        r = router(state, lease_s=5.0)
+        route = await r.route("f", RECORD, time.time() + 10)
+        await r.done("f", route, 30.0, 0.01)
+        assert in_flight(state) == 1
+        await r.drop_leases("f", "another-instance")  # someone else's instance: kept
+        assert in_flight(state) == 1
+        await r.drop_leases("f", instance_id)
+        assert in_flight(state) == 0
+        route = await r.route("f", RECORD, time.time() + 10)
+        await r.done("f", route, 30.0, 0.01)
+        await r.retire("f")  # a redeploy or delete: leases go first, then the instance drains
+        (inst,) = state.instances("f")
+        assert inst.state in ("draining", "gone") and inst.in_flight == 0
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_lease_config_is_validated() -> None:
+    for bad in ({"lease_s": -1.0}, {"lease_s": 60.0}, {"max_leases": -1}):
+        with pytest.raises(ValueError, match="lease_s"):
+            RouterConfig(**bad)
