@@ -154,6 +154,8 @@ class Invoker:
             await self.router.done(name, route, keep_alive, elapsed, reusable)
 
         status = upstream.status
+        timing = upstream.headers.get("server-timing")
+        passed_on = {"server-timing": timing} if timing else None
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await upstream.read()
@@ -166,11 +168,10 @@ class Invoker:
             upstream.release()
             if status >= 400:
                 self.metrics.errors.labels(name, _error_type(content)).inc()
-            timing = upstream.headers.get("server-timing")
             return Response(
                 content,
                 status_code=status,
-                headers={"server-timing": timing} if timing else None,
+                headers=passed_on,
                 media_type=upstream.headers.get("content-type", "application/json"),
                 background=BackgroundTask(finish, status, True),
             )
@@ -201,11 +202,10 @@ class Invoker:
                         upstream.close()  # abandoned: the worker must see the hang-up and stop
                     await finish(status, complete)
 
-        timing = upstream.headers.get("server-timing")
         return StreamingResponse(
             relay(),
             status_code=status,
-            headers={"server-timing": timing} if timing else None,
+            headers=passed_on,
             media_type="text/event-stream",
         )
 

@@ -108,15 +108,14 @@ def plan(
         return bool(batch) and free >= min_free
 
     runs = runs_of(desc)
-    direct = _place_direct(*layout.free_columns(), requests, desc, runs, need)
-    if direct is not None:
-        return Plan(direct)
-    if layout.free < need and not take_victims(need):
-        raise _oom(layout, requests)
-    while True:
+    while True:  # direct placement, after each round of Stage 1 evictions
         direct = _place_direct(*layout.free_columns(), requests, desc, runs, need)
         if direct is not None:
             return Plan(direct, tuple(evicted), (), bytes_evicted)
+        if layout.free < need:
+            if not take_victims(need):
+                raise _oom(layout, requests)
+            continue
         segments = layout.segments()
         assignment = distribute(desc, runs, segments.free)
         if assignment is not None:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from itertools import accumulate, repeat
 
 import numpy as np
+import numpy.typing as npt
 
 from gpu_pool.layout import Snapshot
 from gpu_pool.plan_types import MergeCosts, Move, TensorRequest
@@ -383,6 +384,20 @@ def _cheapest_window(lens: list[int], prices: list[float], need: int) -> tuple[i
     return best
 
 
+def _slide(snap: Snapshot, a: int, b: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int64], int]:
+    """Compacting gaps ``a..b``: the tensors that move (indices from ``a``), every tensor's new
+    offset, and where the free tail starts. New offsets are the running sum of the sizes from
+    the range's start; a tensor moves iff free space precedes it. Vectorised: a segment can
+    hold hundreds of tensors."""
+    start = snap.gap_start[a]
+    if b == a:
+        return np.zeros(0, np.intp), np.zeros(0, np.int64), start
+    sizes = snap.np_sizes[a:b]
+    ends = np.cumsum(sizes) + start
+    new_offsets = ends - sizes
+    return np.flatnonzero(snap.np_offsets[a:b] != new_offsets), new_offsets, int(ends[-1])
+
+
 def compact_range(
     snap: Snapshot,
     a: int,
@@ -397,26 +412,16 @@ def compact_range(
     in order never overwrites bytes that are still to be moved (only a tensor's own old
     bytes, which an overlap-safe move handles).
     """
-    start = snap.gap_start[a]
-    if b > a:
-        # New offsets are the running sum of the sizes from the range's start; a tensor
-        # moves iff free space precedes it. Vectorised: a segment can hold hundreds.
-        sizes = snap.np_sizes[a:b]
-        ends = np.cumsum(sizes) + start
-        offsets = snap.np_offsets[a:b]
-        moved = np.flatnonzero(offsets != ends - sizes)
-        if len(moved):
-            keys = snap.keys[a:b]
-            moves.extend(map(
-                _new_tuple, repeat(Move),
-                zip(
-                    [keys[i] for i in moved.tolist()], offsets[moved].tolist(),
-                    (ends - sizes)[moved].tolist(), sizes[moved].tolist(), strict=True,
-                ),
-            ))  # fmt: skip
-        cursor = int(ends[-1])
-    else:
-        cursor = start
+    moved, new_offsets, cursor = _slide(snap, a, b)
+    if len(moved):
+        keys = snap.keys[a:b]
+        moves.extend(map(
+            _new_tuple, repeat(Move),
+            zip(
+                [keys[i] for i in moved.tolist()], snap.np_offsets[a:b][moved].tolist(),
+                new_offsets[moved].tolist(), snap.np_sizes[a:b][moved].tolist(), strict=True,
+            ),
+        ))  # fmt: skip
     for t in tensors:
         placements[t.key] = cursor
         cursor += t.size
@@ -425,11 +430,5 @@ def compact_range(
 
 def compaction_bytes(snap: Snapshot, a: int, b: int) -> int:
     """Bytes that :func:`compact_range` of gaps ``a..b`` would move."""
-    offsets, sizes = snap.offsets, snap.sizes
-    cursor = snap.gap_start[a]
-    moved = 0
-    for i in range(a, b):
-        if offsets[i] != cursor:
-            moved += sizes[i]
-        cursor += sizes[i]
-    return moved
+    moved, _, _ = _slide(snap, a, b)
+    return int(snap.np_sizes[a:b][moved].sum())
