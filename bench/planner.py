@@ -7,7 +7,8 @@ ReuseStore` runs on every acquire:
 
 * :func:`gpu_pool.eviction.eviction_order` with MCE over every inactive resident tensor
   (``--resident``, default 1,000 candidates), and
-* :func:`gpu_pool.allocator.plan` with ``PackingPolicy.PGP``.
+* :func:`gpu_pool.allocator.plan` with ``PackingPolicy.PGP`` on the default engine (the C
+  planner, ``gpu_pool/csrc/``), from the region list as the store passes it.
 
 The arena is built from chunks of real LLM manifests (Llama/Qwen/Phi-like shapes, fp16,
 256-byte aligned): runs of inactive tensors of ~14 models, free gaps left by evicted
@@ -22,12 +23,13 @@ Two requests are planned on it:
 * ``stage1``: the whole 7B model (291 tensors) cold, more than the free bytes, so Stage 1
   evicts in MCE order before Stage 2 runs.
 
-The baseline, measured in the same run on the same input, is ``GLOBAL_MERGE`` planning.
-Times are wall-clock (``time.perf_counter``) medians and p95 over ``--reps`` repetitions,
-with the garbage collector enabled as in the daemon. Target: median decision (order +
-plan) <= 1 ms per scenario. When it is missed (or with ``--profile``) the JSON also lists
-the planner functions (allocator, packing, layout, eviction modules) that dominate under
-cProfile (per-decision milliseconds; cProfile inflates Python-call-heavy code).
+Baselines, measured in the same run on the same input: the Python reference engine
+(``PlannerEngine.PYTHON``, which must return the identical plan) and ``GLOBAL_MERGE``
+planning. Times are wall-clock (``time.perf_counter``) medians and p95 over ``--reps``
+repetitions, with the garbage collector enabled as in the daemon. Target: median decision
+(order + plan) <= 1 ms per scenario, with the plan identical to the reference's. When it
+is missed (or with ``--profile``) the JSON also lists the planner functions that dominate
+under cProfile (per-decision milliseconds; cProfile inflates Python-call-heavy code).
 
 Run: ``python -m bench.planner [--quick] [--reps N] [--resident N] [--seed S] [--profile]``.
 """
@@ -48,7 +50,15 @@ from dataclasses import dataclass
 
 import xxhash
 
-from gpu_pool.allocator import PackingPolicy, Plan, TensorRequest, full_compaction_bytes, place_direct, plan
+from gpu_pool.allocator import (
+    PackingPolicy,
+    Plan,
+    PlannerEngine,
+    TensorRequest,
+    full_compaction_bytes,
+    place_direct,
+    plan,
+)
 from gpu_pool.eviction import EvictionCandidate, EvictionPolicy, ModelCostInputs, eviction_order
 from gpu_pool.regions import Region, RegionKind, align_up, build_region_list
 
@@ -238,13 +248,14 @@ def profile(sc: Scenario, reps: int, top: int = 8) -> list[dict[str, object]]:
     prof.enable()
     for _ in range(reps):
         order = eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models)
-        plan(sc.regions, sc.requests, order, PackingPolicy.PGP)
+        plan(sc.regions, sc.requests, order, PackingPolicy.PGP)  # the native engine
     prof.disable()
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
         where = file.rsplit("/", 1)[-1]
-        if not (file.endswith(("allocator.py", "packing.py", "layout.py", "eviction.py")) or file == "~"):
+        ours = ("allocator.py", "packing.py", "layout.py", "eviction.py", "native_planner.py")
+        if not (file.endswith(ours) or file == "~"):
             continue
         label = f"{where}:{line}({func})" if file != "~" else func
         rows.append((tottime, cumtime, ncalls, label))
@@ -265,21 +276,30 @@ def run_scenario(sc: Scenario, reps: int) -> tuple[dict[str, object], float]:
     order = eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models)
     pgp: Plan = plan(sc.regions, sc.requests, order, PackingPolicy.PGP)
     gm: Plan = plan(sc.regions, sc.requests, order, PackingPolicy.GLOBAL_MERGE)
+    reference = plan(sc.regions, sc.requests, order, PackingPolicy.PGP, engine=PlannerEngine.PYTHON)
     free = [(r.offset, r.size) for r in sc.regions if r.is_free]
     need = sum(r.size for r in sc.requests)
 
-    t_order = timings(lambda: eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models), reps)
-    t_pgp = timings(lambda: plan(sc.regions, sc.requests, order, PackingPolicy.PGP), reps)
-    t_gm = timings(lambda: plan(sc.regions, sc.requests, order, PackingPolicy.GLOBAL_MERGE), reps)
+    def planning(packing: PackingPolicy, engine: PlannerEngine) -> Callable[[], object]:
+        return lambda: plan(sc.regions, sc.requests, order, packing, engine=engine)
 
-    def decision(packing: PackingPolicy) -> Callable[[], object]:
+    def decision(packing: PackingPolicy, engine: PlannerEngine) -> Callable[[], object]:
         return lambda: plan(
-            sc.regions, sc.requests, eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models), packing
+            sc.regions,
+            sc.requests,
+            eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models),
+            packing,
+            engine=engine,
         )
 
-    t_dec = timings(decision(PackingPolicy.PGP), reps)
-    t_dec_gm = timings(decision(PackingPolicy.GLOBAL_MERGE), reps)
-    med_pgp, med_gm = statistics.median(t_pgp), statistics.median(t_gm)
+    native, python = PlannerEngine.NATIVE, PlannerEngine.PYTHON
+    t_order = timings(lambda: eviction_order(EvictionPolicy.MCE, sc.candidates, sc.models), reps)
+    t_pgp = timings(planning(PackingPolicy.PGP, native), reps)
+    t_pgp_py = timings(planning(PackingPolicy.PGP, python), reps)
+    t_gm = timings(planning(PackingPolicy.GLOBAL_MERGE, native), reps)
+    t_dec = timings(decision(PackingPolicy.PGP, native), reps)
+    t_dec_py = timings(decision(PackingPolicy.PGP, python), reps)
+    t_dec_gm = timings(decision(PackingPolicy.GLOBAL_MERGE, native), reps)
     result: dict[str, object] = {
         "request_tensors": len(sc.requests),
         "request_mib": round(need / MiB, 1),
@@ -294,12 +314,17 @@ def run_scenario(sc: Scenario, reps: int) -> tuple[dict[str, object], float]:
         "moves_gm": len(gm.moves),
         "moved_mib_gm": round(gm.bytes_moved / MiB, 1),
         "full_compaction_mib": round(full_compaction_bytes(sc.regions, pgp.evictions) / MiB, 1),
+        "same_plan_as_python_reference": pgp == reference,
         "order": summary(t_order),
         "plan_pgp": summary(t_pgp),
+        "plan_pgp_python_reference": summary(t_pgp_py),
         "plan_global_merge": summary(t_gm),
         "decision": summary(t_dec),
+        "decision_python_reference": summary(t_dec_py),
         "decision_global_merge": summary(t_dec_gm),
-        "plan_pgp_over_global_merge": round(med_pgp / med_gm, 3),
+        "decision_speedup_over_python_reference": round(
+            statistics.median(t_dec_py) / statistics.median(t_dec), 2
+        ),
     }
     return result, statistics.median(t_dec)
 
@@ -321,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     medians: dict[str, float] = {}
     for sc in scenarios:
         results[sc.name], medians[sc.name] = run_scenario(sc, reps)
-    ok = all(m <= TARGET_MEDIAN_DECISION_MS for m in medians.values())
+    same = all(r["same_plan_as_python_reference"] for r in results.values())
+    ok = same and all(m <= TARGET_MEDIAN_DECISION_MS for m in medians.values())
     out: dict[str, object] = {
         "bench": "planner",
         "seed": args.seed,

@@ -1,8 +1,8 @@
 """The Tangram tensor planner: where new tensors go, what is evicted, what is moved.
 
-Pure Python and numpy, no torch and no I/O: it takes the region list and the (aligned)
-sizes of the missing tensors and returns a :class:`Plan`; the Reuse Store applies plans to
-an arena. Benchmarks and property tests drive :func:`plan` directly.
+No torch and no I/O: it takes the region list (or its columns) and the (aligned) sizes of
+the missing tensors and returns a :class:`Plan`; the Reuse Store applies plans to an
+arena. Benchmarks and property tests drive :func:`plan` directly.
 
 Steps, following Tangram §3.2 (Eq. 1-2, Alg. 1, Figure 6):
 
@@ -16,9 +16,12 @@ Steps, following Tangram §3.2 (Eq. 1-2, Alg. 1, Figure 6):
    and we retry), then each segment is packed by PGP or, as the ablation baseline,
    compacted whole (GLOBAL_MERGE).
 
-The working copy of the arena is a :class:`gpu_pool.layout.Layout` (allocated regions as
-arrays, free space as the gaps), so the arena-wide steps cost a few numpy operations and
-a decision over ~1,500 regions stays around a millisecond (``bench/planner.py``).
+Two engines make the same decisions: the default runs the whole decision in C
+(:mod:`gpu_pool.native_planner`, ``gpu_pool/csrc/``: ~0.3 ms over ~1,500 regions, see
+``bench/planner.py``); ``PlannerEngine.PYTHON`` is this module and :mod:`gpu_pool.packing`,
+the readable reference, working on a :class:`gpu_pool.layout.Layout` (allocated regions as
+arrays, free space as the gaps between them). Property tests check that both return
+identical plans.
 
 Guarantees (checked by property tests): placements never overlap each other or any region
 that stays; only inactive tensors are evicted or moved; zero moves when best-fit can place
@@ -29,9 +32,11 @@ segment after the same evictions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from gpu_pool.errors import OutOfMemory
-from gpu_pool.layout import Layout
+from gpu_pool.layout import Layout, RegionColumns
+from gpu_pool.native_planner import plan_native
 from gpu_pool.packing import (
     MAX_SPLIT_TRIES,
     compact_range,
@@ -42,7 +47,16 @@ from gpu_pool.packing import (
     runs_of,
 )
 from gpu_pool.packing import place_direct as _place_direct
-from gpu_pool.plan_types import KVPlan, MergeCosts, Move, PackingPolicy, Plan, TensorRequest
+from gpu_pool.plan_types import (
+    KVPlan,
+    MergeCosts,
+    Move,
+    PackingPolicy,
+    Plan,
+    PlannerEngine,
+    TensorRequest,
+    out_of_memory,
+)
 from gpu_pool.regions import Region
 
 __all__ = [
@@ -52,6 +66,7 @@ __all__ = [
     "Move",
     "PackingPolicy",
     "Plan",
+    "PlannerEngine",
     "TensorRequest",
     "full_compaction_bytes",
     "place_direct",
@@ -60,29 +75,38 @@ __all__ = [
 ]
 
 
-def _neg_size(r: TensorRequest) -> int:
-    return -r.size
+_SIZE = attrgetter("size")
 
 
 def plan(
-    regions: Sequence[Region],
+    regions: Sequence[Region] | RegionColumns,
     requests: Sequence[TensorRequest],
     eviction_order: Sequence[str] = (),
     packing: PackingPolicy = PackingPolicy.PGP,
     costs: MergeCosts | None = None,
+    engine: PlannerEngine = PlannerEngine.NATIVE,
+    max_split_tries: int = MAX_SPLIT_TRIES,
 ) -> Plan:
-    """Plan the placement of ``requests`` (in load order) into the arena ``regions``.
+    """Plan the placement of ``requests`` (in load order) into the arena ``regions`` (a
+    region list, or its allocated regions as :class:`RegionColumns`).
 
     ``eviction_order`` lists inactive tensor keys, cheapest to evict first; keys that are
     not movable tensors of ``regions`` are ignored. With ``costs`` (PGP only), a final
     subspace that needs merging may instead evict the cheapest window of inactive tensors
-    when that costs less than the moves (Eq. 1's evict-or-merge choice). Raises
+    when that costs less than the moves (Eq. 1's evict-or-merge choice). ``engine`` picks
+    the C core or its Python reference (same plans); ``max_split_tries`` bounds the failed
+    TryPackings per PGP subspace (Alg. 1's search; fewer means more merging). Raises
     :class:`OutOfMemory` when the request does not fit even after evicting every listed tensor.
     """
+    if max_split_tries < 1:
+        raise ValueError("max_split_tries must be >= 1")
     if not requests:
         return Plan({})
-    layout = Layout.from_regions(regions)
-    desc = sorted(requests, key=_neg_size)  # stable: equal sizes keep load order
+    if engine is PlannerEngine.NATIVE:
+        columns = regions if isinstance(regions, RegionColumns) else RegionColumns.of(regions)
+        return plan_native(columns, requests, eviction_order, packing, costs, max_split_tries)
+    layout = Layout.of(regions)
+    desc = sorted(requests, key=_SIZE, reverse=True)  # stable: equal sizes keep load order
     need = sum(r.size for r in requests)
     evicted: list[str] = []
     bytes_evicted = 0
@@ -114,27 +138,28 @@ def plan(
             return Plan(direct, tuple(evicted), (), bytes_evicted)
         if layout.free < need:
             if not take_victims(need):
-                raise _oom(layout, requests)
+                raise out_of_memory(requests, layout.free)
             continue
         segments = layout.segments()
         assignment = distribute(desc, runs, segments.free)
         if assignment is not None:
             break
         if not take_victims(0):
-            raise _oom(layout, requests)
+            raise out_of_memory(requests, layout.free)
 
-    snap = layout.snapshot()
     placements: dict[str, int] = {}
     moves: list[Move] = []
     if packing is PackingPolicy.GLOBAL_MERGE:
+        snap = layout.snapshot()
         for j, (a, b) in enumerate(zip(segments.first_gap, segments.last_gap, strict=True)):
             assigned = assignment.get(j, [])
             if b > a or assigned:
                 compact_range(snap, a, b, assigned, placements, moves)
     else:
+        snap = layout.snapshot()
         for j in sorted(assignment):  # address order
             a, b = segments.first_gap[j], segments.last_gap[j]
-            for sub in partitioned_gain_packing(snap, a, b, assignment[j]):
+            for sub in partitioned_gain_packing(snap, a, b, assignment[j], max_split_tries):
                 bytes_evicted += place_subspace(snap, sub, placements, moves, evicted, costs)
     return Plan(placements, tuple(evicted), tuple(moves), bytes_evicted)
 
@@ -146,7 +171,7 @@ def place_direct(free: Sequence[tuple[int, int]], requests: Sequence[TensorReque
     tensors stay adjacent in load order and their copies coalesce); else best-fit
     decreasing, each tensor at the start of the smallest free region that holds it.
     """
-    desc = sorted(requests, key=_neg_size)
+    desc = sorted(requests, key=_SIZE, reverse=True)
     offsets = [offset for offset, _ in free]
     lens = [size for _, size in free]
     return _place_direct(offsets, lens, requests, desc, runs_of(desc), sum(r.size for r in requests))
@@ -157,7 +182,7 @@ def full_compaction_bytes(regions: Sequence[Region], evicted: Sequence[str] = ()
 
     The upper bound Stage 2 must respect (the "merge all" starting point of Alg. 1).
     """
-    layout = Layout.from_regions(regions)
+    layout = Layout.of(regions)
     layout.evict(dict.fromkeys(k for k in evicted if k in layout.movable_size))
     snap = layout.snapshot()
     segments = layout.segments()
@@ -166,17 +191,8 @@ def full_compaction_bytes(regions: Sequence[Region], evicted: Sequence[str] = ()
     )
 
 
-def _oom(layout: Layout, requests: Sequence[TensorRequest]) -> OutOfMemory:
-    need = sum(r.size for r in requests)
-    free = layout.free
-    what = f"placing {len(requests)} tensors"
-    if free >= need:
-        what += " (free space is cut into pieces by pinned tensors and KV blocks, which never move)"
-    return OutOfMemory(what, need, free)
-
-
 def plan_kv(
-    regions: Sequence[Region],
+    regions: Sequence[Region] | RegionColumns,
     num_blocks: int,
     block_size: int,
     eviction_order: Sequence[str] = (),
@@ -205,7 +221,7 @@ def plan_kv(
     def capacity() -> int:
         return sum((e - b) // block_size for b, e in (span(o, n) for o, n in layout.free_regions()))
 
-    layout = Layout.from_regions(regions)
+    layout = Layout.of(regions)
     evicted: list[str] = []
     bytes_evicted = 0
     order = iter(eviction_order)

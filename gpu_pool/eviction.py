@@ -1,7 +1,8 @@
 """Stage 1 of the Tangram planner: which inactive tensors to evict first.
 
-Pure Python. Each policy turns the evictable (inactive, resident) tensors into an
-eviction order; the planner consumes that order only as far as it needs bytes.
+Each policy turns the evictable (inactive, resident) tensors into an eviction order; the
+planner consumes that order only as far as it needs bytes. MCE's sort runs in the C
+planner (:mod:`gpu_pool._planner`); everything else is Python.
 
 Minimal-Cost Eviction (Tangram §3.2.2, Eq. 2) prices each tensor at
 ``c_j = p_m * (s_j / b_m) * alpha_m``: the expected reload time the eviction causes,
@@ -19,14 +20,11 @@ import enum
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from typing import NamedTuple
 
-import numpy as np
-
-_SIZE = attrgetter("size")
-_LAST_USED = attrgetter("last_used")
+from gpu_pool import native_planner
 
 
 class EvictionPolicy(enum.Enum):
@@ -63,13 +61,21 @@ class ModelCostInputs:
 
 
 def eviction_cost(candidate: EvictionCandidate, models: Mapping[str, ModelCostInputs]) -> float:
-    """Eq. 2 summed over the models that reference the tensor (seconds of expected reload)."""
-    cost = 0.0
-    for model_id in candidate.model_ids:
-        m = models.get(model_id)
-        if m is not None:
-            cost += m.miss_probability * (candidate.size / m.bandwidth) * m.latency_sensitivity
-    return cost
+    """Eq. 2 summed over the models that reference the tensor (seconds of expected reload):
+    c_j = s_j * sum_m p_m * alpha_m / b_m."""
+    return candidate.size * _per_byte_rate(candidate.model_ids, _per_byte(models))
+
+
+def _per_byte(models: Mapping[str, ModelCostInputs]) -> dict[str, float]:
+    """p_m * alpha_m / b_m per model: Eq. 2's seconds per byte evicted."""
+    return {m: c.miss_probability * c.latency_sensitivity / c.bandwidth for m, c in models.items()}
+
+
+def _per_byte_rate(model_ids: Iterable[str], per_byte: Mapping[str, float]) -> float:
+    rate = 0.0
+    for m in model_ids:
+        rate += per_byte.get(m, 0.0)
+    return rate
 
 
 def eviction_order(
@@ -81,7 +87,10 @@ def eviction_order(
     """Keys of ``candidates`` in the order ``policy`` evicts them."""
     cands = list(candidates)
     if policy is EvictionPolicy.MCE:
-        return _mce_order(cands, models)
+        # Comprehensions over the candidates: ~2x faster than map(attrgetter) on 3.11+.
+        keys, sizes = [c.key for c in cands], [c.size for c in cands]
+        owners, last_used = [c.model_ids for c in cands], [c.last_used for c in cands]
+        return mce_ranking(keys, sizes, owners, last_used, models).order
     if policy is EvictionPolicy.LRU:
         cands.sort(key=lambda c: (c.last_used, c.key))
     else:
@@ -90,8 +99,28 @@ def eviction_order(
     return [c.key for c in cands]
 
 
-def _mce_order(cands: list[EvictionCandidate], models: Mapping[str, ModelCostInputs]) -> list[str]:
-    """MCE: cheapest expected reload per byte first.
+class MceRanking(NamedTuple):
+    """Stage 1 under MCE: the eviction order, and Eq. 2's price of every candidate."""
+
+    order: list[str]  # keys, cheapest expected reload per byte first
+    keys: Sequence[str]  # the candidates, in input order: keys, bytes, c_j / s_j
+    sizes: Sequence[int]
+    per_byte_rates: list[float]
+
+    def prices(self) -> dict[str, float]:
+        """Key -> c_j in seconds (what Stage 2 weighs moves against); built on demand."""
+        return {k: s * r for k, s, r in zip(self.keys, self.sizes, self.per_byte_rates, strict=True)}
+
+
+def mce_ranking(
+    keys: Sequence[str],
+    sizes: Sequence[int],
+    owners: Sequence[tuple[str, ...]],
+    last_used: Sequence[float],
+    models: Mapping[str, ModelCostInputs],
+) -> MceRanking:
+    """MCE over candidates given as columns: cheapest expected reload per byte first, and
+    every candidate's c_j.
 
     Greedy for "free >= need bytes at minimal total cost" orders by cost per byte,
     c_j / s_j = sum_m p_m * alpha_m / b_m: ordering by c_j itself would always evict the
@@ -101,23 +130,14 @@ def _mce_order(cands: list[EvictionCandidate], models: Mapping[str, ModelCostInp
     order (the sort is stable; the Reuse Store lists tensors in a fixed order).
 
     c_j / s_j depends only on the tensor's owners, so it is computed once per distinct
-    owner set; the sort is numpy's (this runs on every acquire that must make room, over
-    every inactive tensor of the arena).
+    owner set; the sort is the C planner's (``numpy.lexsort`` of the same keys gives the
+    same order, which the tests check). Columns, not candidate objects: this runs on every
+    acquire that plans, over every inactive tensor of the arena.
     """
-    if not cands:
-        return []
-    per_byte = {m: c.miss_probability * c.latency_sensitivity / c.bandwidth for m, c in models.items()}
-    owners = [c.model_ids for c in cands]
-    rate = {o: sum(per_byte.get(m, 0.0) for m in o) for o in set(owners)}
-    n = len(cands)
-    keys = [c.key for c in cands]
-    # lexsort is stable and sorts by its last key first.
-    order = np.lexsort((
-        -np.fromiter(map(_SIZE, cands), np.int64, n),
-        np.fromiter(map(_LAST_USED, cands), np.float64, n),
-        np.fromiter(map(rate.__getitem__, owners), np.float64, n),
-    ))  # fmt: skip
-    return [keys[i] for i in order.tolist()]
+    per_byte = _per_byte(models)
+    rate = {o: _per_byte_rate(o, per_byte) for o in dict.fromkeys(owners)}
+    rates = [rate[o] for o in owners]
+    return MceRanking(native_planner.core().mce_order(keys, rates, last_used, sizes), keys, sizes, rates)
 
 
 class BaseRateEstimator(ABC):

@@ -16,7 +16,6 @@ movable tensors ``ga..gb-1``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -24,9 +23,6 @@ import numpy.typing as npt
 
 from gpu_pool.regions import Region, RegionKind
 
-_OFFSET = attrgetter("offset")
-_SIZE = attrgetter("size")
-_KEY = attrgetter("key")
 # Enum members bound once: ``RegionKind.FREE`` is a slow class-attribute lookup per region.
 _FREE_KIND = RegionKind.FREE
 _TENSOR_KIND = RegionKind.TENSOR
@@ -38,6 +34,41 @@ class Segments(NamedTuple):
     first_gap: list[int]
     last_gap: list[int]
     free: list[int]
+
+
+class RegionColumns(NamedTuple):
+    """The allocated regions of a region list as columns (the planner's input form).
+
+    The arena spans ``[base, end)``; row ``i`` is the ``i``-th allocated region in address
+    order: ``offsets[i]``, ``sizes[i]`` (int64 bytes), ``movable[i]`` (an inactive tensor),
+    ``keys[i]``.
+    """
+
+    base: int
+    end: int
+    offsets: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+    movable: npt.NDArray[np.bool_]
+    keys: list[str | None]
+
+    @classmethod
+    def of(cls, regions: Sequence[Region]) -> RegionColumns:
+        """The columns of a region list that tiles ``[regions[0].offset, regions[-1].end)``."""
+        if not regions:
+            empty = np.zeros(0, np.int64)
+            return cls(0, 0, empty, empty, np.zeros(0, np.bool_), [])
+        free, tensor = _FREE_KIND, _TENSOR_KIND
+        allocated = [r for r in regions if r.kind is not free]
+        n = len(allocated)
+        # Comprehensions over the slotted regions: ~2x faster than map(attrgetter) on 3.11+.
+        return cls(
+            regions[0].offset,
+            regions[-1].offset + regions[-1].size,
+            np.fromiter([r.offset for r in allocated], np.int64, n),
+            np.fromiter([r.size for r in allocated], np.int64, n),
+            np.fromiter([r.movable and r.kind is tensor for r in allocated], np.bool_, n),
+            [r.key for r in allocated],
+        )
 
 
 class Layout:
@@ -84,23 +115,12 @@ class Layout:
         self._refresh()
 
     @classmethod
-    def from_regions(cls, regions: Sequence[Region]) -> Layout:
-        """The layout of a region list that tiles ``[regions[0].offset, regions[-1].end)``."""
-        if not regions:
-            empty = np.zeros(0, np.int64)
-            return cls(0, 0, empty, empty, np.zeros(0, np.bool_), np.zeros(0, np.object_))
-        free, tensor = _FREE_KIND, _TENSOR_KIND
-        allocated = [r for r in regions if r.kind is not free]
-        keys = np.empty(len(allocated), np.object_)
-        keys[:] = list(map(_KEY, allocated))
-        return cls(
-            regions[0].offset,
-            regions[-1].offset + regions[-1].size,
-            np.array(list(map(_OFFSET, allocated)), np.int64),
-            np.array(list(map(_SIZE, allocated)), np.int64),
-            np.array([r.movable and r.kind is tensor for r in allocated], np.bool_),
-            keys,
-        )
+    def of(cls, regions: Sequence[Region] | RegionColumns) -> Layout:
+        """The layout of a region list or of its columns."""
+        c = regions if isinstance(regions, RegionColumns) else RegionColumns.of(regions)
+        keys = np.empty(len(c.keys), np.object_)
+        keys[:] = c.keys
+        return cls(c.base, c.end, c.offsets, c.sizes, c.movable, keys)
 
     @property
     def movable_size(self) -> dict[str, int]:

@@ -214,13 +214,17 @@ def _split(ts: list[TensorRequest], cap1: int, cap2: int) -> tuple[list[TensorRe
 
 
 def partitioned_gain_packing(
-    snap: Snapshot, first_gap: int, last_gap: int, tensors: list[TensorRequest]
+    snap: Snapshot,
+    first_gap: int,
+    last_gap: int,
+    tensors: list[TensorRequest],
+    max_split_tries: int = MAX_SPLIT_TRIES,
 ) -> list[Subspace]:
     """Alg. 1 on one segment: the final subspaces with the tensors each must hold.
 
     ``tensors`` are largest first. Each subspace carries its partition points (its movable
     tensors) largest first, ties in address order; a split hands each half the points on
-    its side. At most MAX_SPLIT_TRIES failed packings per subspace (the gains further
+    its side. At most ``max_split_tries`` failed packings per subspace (the gains further
     down the list are the smallest).
     """
     sizes, prefix = snap.sizes, snap.gap_prefix
@@ -255,7 +259,7 @@ def partitioned_gain_packing(
                 pending.append((p + 1, b, right, [c for c in cands if c > p]))
                 break
             tries += 1
-            if tries >= MAX_SPLIT_TRIES:
+            if tries >= max_split_tries:
                 final.append((a, b, ts, None))
                 break
         else:

@@ -7,14 +7,27 @@ so both can use them; :mod:`gpu_pool.allocator` re-exports them as the planner's
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from gpu_pool.errors import OutOfMemory
 
 
 class PackingPolicy(enum.Enum):
     PGP = "pgp"
     GLOBAL_MERGE = "global_merge"
+
+
+class PlannerEngine(enum.Enum):
+    """Who runs Stage 2 under PGP: the C core (default) or its Python reference.
+
+    Both make the same decisions (property-tested); the reference is the readable spec and
+    the benchmark's baseline.
+    """
+
+    NATIVE = "native"
+    PYTHON = "python"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +93,12 @@ class KVPlan:
     offsets: tuple[int, ...]
     evictions: tuple[str, ...] = ()
     bytes_evicted: int = 0
+
+
+def out_of_memory(requests: Sequence[TensorRequest], free: int) -> OutOfMemory:
+    """The error for ``requests`` that do not fit the ``free`` bytes left after every eviction."""
+    need = sum(r.size for r in requests)
+    what = f"placing {len(requests)} tensors"
+    if free >= need:
+        what += " (free space is cut into pieces by pinned tensors and KV blocks, which never move)"
+    return OutOfMemory(what, need, free)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gpu_pool.allocator import MergeCosts, PackingPolicy, Plan, TensorRequest, plan, plan_kv
 from gpu_pool.arena import BaseArena, CopyJob
 from gpu_pool.errors import ConfigError, LoadError, ManifestError, SessionError
@@ -24,10 +26,11 @@ from gpu_pool.eviction import (
     EvictionCandidate,
     EvictionPolicy,
     ModelCostInputs,
-    eviction_cost,
     eviction_order,
+    mce_ranking,
 )
 from gpu_pool.fingerprint import fingerprint
+from gpu_pool.layout import RegionColumns
 from gpu_pool.loader import group_copies
 from gpu_pool.manifest import Manifest, TensorEntry
 from gpu_pool.regions import DEFAULT_ALIGNMENT, Region, RegionKind, align_up, build_region_list
@@ -60,6 +63,7 @@ class TensorRecord:
     size: int  # aligned bytes in the arena
     entry: TensorEntry
     models: set[str] = field(default_factory=set)
+    owners: tuple[str, ...] = ()  # sorted(models), kept in step: the eviction candidates' owners
     pins: Counter[str] = field(default_factory=Counter)
     last_used: float = 0.0
     session_private: str | None = None  # session owning a dynamic tensor
@@ -193,6 +197,28 @@ class ReuseStore:
         ]
         return build_region_list(self.arena.capacity, allocated)
 
+    def columns(self) -> RegionColumns:
+        """The allocated regions as the planner's columns, built straight from the records
+        (no Region objects: this runs on every acquire that plans, over ~1,500 regions)."""
+        tensors = list(self.tensors.values())
+        blocks = list(self.kv_blocks.values())
+        n = len(tensors) + len(blocks)
+        offsets = np.fromiter([t.offset for t in tensors] + [b.offset for b in blocks], np.int64, n)
+        sizes = np.fromiter([t.size for t in tensors] + [b.size for b in blocks], np.int64, n)
+        movable = np.zeros(n, np.bool_)
+        movable[: len(tensors)] = [not t.pins for t in tensors]
+        keys: list[str | None] = [t.key for t in tensors]
+        keys += [str(b.block_id) for b in blocks]
+        order = np.argsort(offsets, kind="stable")
+        offsets, sizes, movable = offsets[order], sizes[order], movable[order]
+        if n and (offsets[0] < 0 or np.any(offsets[1:] < offsets[:-1] + sizes[:-1])):
+            raise ValueError("allocated regions overlap: the store is corrupted")
+        if n and offsets[-1] + sizes[-1] > self.arena.capacity:
+            raise ValueError("an allocated region leaves the arena: the store is corrupted")
+        return RegionColumns(
+            0, self.arena.capacity, offsets, sizes, movable, [keys[i] for i in order.tolist()]
+        )
+
     def acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
         """Pin ``manifest``'s tensors for the session, loading the missing ones (all in one call)."""
         pending = self.begin_acquire(session_id, manifest)
@@ -240,8 +266,11 @@ class ReuseStore:
             self._pin(session, k, now)
             if not e.static:
                 session.private.add(k)
-        for e in manifest.tensors:
-            self.tensors[keys[e.name]].models.add(manifest.model_id)
+        for k in unique:
+            rec = self.tensors[k]
+            if manifest.model_id not in rec.models:
+                rec.models.add(manifest.model_id)
+                rec.owners = tuple(sorted(rec.models))
         jobs = tuple(
             CopyJob(unique[k].file, unique[k].offset, the_plan.placements[k], unique[k].nbytes)
             for k in missing
@@ -363,7 +392,7 @@ class ReuseStore:
         if num_blocks <= 0 or block_bytes <= 0:
             raise SessionError("kv_alloc needs num_blocks > 0 and block_bytes > 0")
         size = align_up(block_bytes, self.config.alignment)
-        kv_plan = plan_kv(self.regions(), num_blocks, size, self._eviction_order(), aligned)
+        kv_plan = plan_kv(self.columns(), num_blocks, size, self._eviction_order(), aligned)
         for key in kv_plan.evictions:
             del self.tensors[key]
         ids = []
@@ -470,31 +499,33 @@ class ReuseStore:
     def _eviction_inputs(self) -> tuple[list[str], MergeCosts | None]:
         """The Stage 1 order and, under MCE, the prices Stage 2 weighs evictions against moves with."""
         now = self.clock()
-        candidates = [
-            EvictionCandidate(t.key, t.size, tuple(sorted(t.models)), t.last_used)
-            for t in self.tensors.values()
-            if not t.pins
-        ]
-        inputs = {}
-        costs = None
-        if self.config.eviction is EvictionPolicy.MCE:
-            pool_bw = self._pool_bandwidth()
-            for m in self.models.values():
-                inputs[m.model_id] = ModelCostInputs(
-                    self.rates.miss_probability(m.model_id, now, self.config.horizon_s),
-                    m.bandwidth or pool_bw,
-                    m.latency_sensitivity,
-                )
-            costs = MergeCosts(
-                {c.key: eviction_cost(c, inputs) for c in candidates}, 1.0 / self.arena.move_bandwidth
+        inactive = [t for t in self.tensors.values() if not t.pins]
+        if self.config.eviction is not EvictionPolicy.MCE:
+            candidates = [EvictionCandidate(t.key, t.size, t.owners, t.last_used) for t in inactive]
+            return eviction_order(self.config.eviction, candidates, {}, self._rng), None
+        pool_bw = self._pool_bandwidth()
+        inputs = {
+            m.model_id: ModelCostInputs(
+                self.rates.miss_probability(m.model_id, now, self.config.horizon_s),
+                m.bandwidth or pool_bw,
+                m.latency_sensitivity,
             )
-        return eviction_order(self.config.eviction, candidates, inputs, self._rng), costs
+            for m in self.models.values()
+        }
+        ranking = mce_ranking(
+            [t.key for t in inactive],
+            [t.size for t in inactive],
+            [t.owners for t in inactive],
+            [t.last_used for t in inactive],
+            inputs,
+        )
+        return ranking.order, MergeCosts(ranking.prices(), 1.0 / self.arena.move_bandwidth)
 
     def _plan(self, requests: list[TensorRequest]) -> Plan:
         if not requests:
             return Plan({})
         order, costs = self._eviction_inputs()
-        return plan(self.regions(), requests, order, self.config.packing, costs)
+        return plan(self.columns(), requests, order, self.config.packing, costs)
 
     def _apply_evictions_and_moves(self, the_plan: Plan) -> None:
         for key in the_plan.evictions:

@@ -13,6 +13,7 @@ from gpu_pool import packing
 from gpu_pool.allocator import (
     MergeCosts,
     PackingPolicy,
+    PlannerEngine,
     TensorRequest,
     full_compaction_bytes,
     plan,
@@ -21,26 +22,12 @@ from gpu_pool.allocator import (
 from gpu_pool.errors import OutOfMemory
 from gpu_pool.packing import _try_packing, runs_of
 from gpu_pool.regions import Region, RegionKind, build_region_list
+from tests.gpu_pool.arenas import UNIT, arenas
 
-UNIT = 256
 
-
-@st.composite
-def layouts(draw: st.DrawFn) -> list[Region]:
-    """A region list: random runs of free space, inactive tensors, pinned tensors, KV blocks."""
-    regions: list[Region] = []
-    offset = 0
-    for i in range(draw(st.integers(1, 40))):
-        size = draw(st.integers(1, 64)) * UNIT
-        kind = draw(st.sampled_from(["free", "free", "movable", "movable", "pinned", "kv"]))
-        if kind == "movable":
-            regions.append(Region(offset, size, RegionKind.TENSOR, f"t{i}", movable=True))
-        elif kind == "pinned":
-            regions.append(Region(offset, size, RegionKind.TENSOR, f"p{i}", movable=False))
-        elif kind == "kv":
-            regions.append(Region(offset, size, RegionKind.KV, f"{i}"))
-        offset += size
-    return build_region_list(offset, regions)
+def layouts() -> st.SearchStrategy[list[Region]]:
+    """Up to 40 regions of 1..64 units: free, inactive, pinned tensors and KV blocks."""
+    return arenas()
 
 
 requests_st = st.lists(st.integers(1, 96), min_size=1, max_size=12).map(
@@ -78,11 +65,12 @@ def check_plan_invariants(
     requests: list[TensorRequest],
     packing: PackingPolicy,
     costs: MergeCosts | None = None,
+    engine: PlannerEngine = PlannerEngine.NATIVE,
 ) -> None:
     capacity = regions[-1].end
     order = [r.key for r in regions if r.movable]
     try:
-        p = plan(regions, requests, order[::-1], packing, costs)
+        p = plan(regions, requests, order[::-1], packing, costs, engine)
     except OutOfMemory as exc:
         # Allowed only when no run of regions between fixed ones could hold the whole request
         # even with every inactive tensor evicted (best-fit decreasing over segments always
@@ -128,40 +116,55 @@ def check_plan_invariants(
         assert p.moves == () and p.evictions == ()
 
 
+# Both engines: the C planner (the default) and its Python reference.
+engines = pytest.mark.parametrize("engine", list(PlannerEngine))
+
+
+@engines
 @settings(max_examples=400, deadline=None)
 @given(layouts(), requests_st)
-def test_pgp_plans_are_sound(regions: list[Region], requests: list[TensorRequest]) -> None:
-    check_plan_invariants(regions, requests, PackingPolicy.PGP)
+def test_pgp_plans_are_sound(
+    engine: PlannerEngine, regions: list[Region], requests: list[TensorRequest]
+) -> None:
+    check_plan_invariants(regions, requests, PackingPolicy.PGP, engine=engine)
 
 
+@engines
 @settings(max_examples=300, deadline=None)
 @given(layouts(), requests_st, st.data(), st.floats(0, 1e-3))
 def test_cost_aware_pgp_plans_are_sound(
-    regions: list[Region], requests: list[TensorRequest], data: st.DataObject, move_price: float
+    engine: PlannerEngine,
+    regions: list[Region],
+    requests: list[TensorRequest],
+    data: st.DataObject,
+    move_price: float,
 ) -> None:
     """With Eq. 1 prices, Stage 2 may evict a window instead of moving; invariants still hold."""
     keys = [str(r.key) for r in regions if r.movable]
     prices = data.draw(st.lists(st.floats(0, 1.0), min_size=len(keys), max_size=len(keys)))
-    check_plan_invariants(
-        regions, requests, PackingPolicy.PGP, MergeCosts(dict(zip(keys, prices, strict=True)), move_price)
-    )
+    costs = MergeCosts(dict(zip(keys, prices, strict=True)), move_price)
+    check_plan_invariants(regions, requests, PackingPolicy.PGP, costs, engine)
 
 
-def test_cheap_evictions_replace_moves_and_dear_ones_do_not() -> None:
+@engines
+def test_cheap_evictions_replace_moves_and_dear_ones_do_not(engine: PlannerEngine) -> None:
     # free [0,2) | cold tensor [2,3) | free [3,5): a 4-unit tensor needs the 5-unit window.
     regions = build_region_list(5 * UNIT, [Region(2 * UNIT, UNIT, RegionKind.TENSOR, "cold", movable=True)])
     request = [TensorRequest("x", 4 * UNIT)]
-    moving = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1.0}, 1e-9))
+    moving = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1.0}, 1e-9), engine)
     assert moving.evictions == () and [m.key for m in moving.moves] == ["cold"]
-    evicting = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1e-9}, 1e-3))
+    evicting = plan(regions, request, [], PackingPolicy.PGP, MergeCosts({"cold": 1e-9}, 1e-3), engine)
     assert evicting.evictions == ("cold",) and evicting.moves == ()
     assert evicting.placements == {"x": 0} and evicting.bytes_evicted == UNIT
 
 
+@engines
 @settings(max_examples=200, deadline=None)
 @given(layouts(), requests_st)
-def test_global_merge_plans_are_sound(regions: list[Region], requests: list[TensorRequest]) -> None:
-    check_plan_invariants(regions, requests, PackingPolicy.GLOBAL_MERGE)
+def test_global_merge_plans_are_sound(
+    engine: PlannerEngine, regions: list[Region], requests: list[TensorRequest]
+) -> None:
+    check_plan_invariants(regions, requests, PackingPolicy.GLOBAL_MERGE, engine=engine)
 
 
 @settings(max_examples=200, deadline=None)
@@ -177,7 +180,8 @@ def test_pgp_moves_no_more_than_global_merge(regions: list[Region], requests: li
     assert pgp.bytes_moved <= gm.bytes_moved
 
 
-def test_figure6_partition_avoids_moving_the_big_tensor() -> None:
+@engines
+def test_figure6_partition_avoids_moving_the_big_tensor(engine: PlannerEngine) -> None:
     """A free/tensor/free/tensor/free arena where one split saves moving the larger tensor."""
     regions = build_region_list(
         12 * UNIT,
@@ -187,19 +191,19 @@ def test_figure6_partition_avoids_moving_the_big_tensor() -> None:
         ],
     )
     # free: [0,2) [3,5) [8,12) units; new tensors 4 and 3 units: 4 fits [8,12); 3 needs [0,5) merged.
-    p = plan(regions, [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)], ["small", "big"])
+    new = [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)]
+    p = plan(regions, new, ["small", "big"], engine=engine)
     assert p.evictions == ()
     assert [m.key for m in p.moves] == ["small"]
-    gm = plan(
-        regions, [TensorRequest("x", 4 * UNIT), TensorRequest("y", 3 * UNIT)], [], PackingPolicy.GLOBAL_MERGE
-    )
+    gm = plan(regions, new, [], PackingPolicy.GLOBAL_MERGE, engine=engine)
     assert gm.bytes_moved == 4 * UNIT
 
 
-def test_out_of_memory_names_bytes() -> None:
+@engines
+def test_out_of_memory_names_bytes(engine: PlannerEngine) -> None:
     regions = build_region_list(4 * UNIT, [Region(0, UNIT, RegionKind.TENSOR, "pinned", movable=False)])
     with pytest.raises(OutOfMemory) as info:
-        plan(regions, [TensorRequest("x", 4 * UNIT)], [])
+        plan(regions, [TensorRequest("x", 4 * UNIT)], [], engine=engine)
     assert info.value.needed_bytes == 4 * UNIT
     assert info.value.available_bytes == 3 * UNIT
     assert str(4 * UNIT) in str(info.value) and str(3 * UNIT) in str(info.value)
