@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
+from gateway.function_code import FunctionCodeConfig
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
 
@@ -76,6 +77,7 @@ class ServeConfig:
         ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
+        from runtime.sources import SourceRoots
 
         env = os.environ
         values: dict[str, Any] = {"home": ember_home()}
@@ -90,11 +92,14 @@ class ServeConfig:
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})
+        FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
+        SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         return cls(**values)
 
 
 async def serve(config: ServeConfig) -> None:
     """Run the embedded mode until SIGINT/SIGTERM."""
+    os.umask(0o077)  # every file this process and its children create is owner-only (keys, logs, AOF)
     from runtime.agent import AgentConfig, NodeAgent
     from runtime.errors import EmberRuntimeError
     from runtime.process import die_with_parent
@@ -105,7 +110,9 @@ async def serve(config: ServeConfig) -> None:
     api_key = config.api_key
     if api_key is None and not config.loopback:
         api_key = secrets.token_urlsafe(24)
-    gateway_config = GatewayConfig(api_key=api_key, logs_dir=config.home / "logs")
+    gateway_config = GatewayConfig(
+        api_key=api_key, logs_dir=config.home / "logs", code=FunctionCodeConfig.from_env(config.home)
+    )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
     # take over its Redis socket. The lock goes away with this process, however it ends.
