@@ -30,6 +30,7 @@ from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
+from gateway.redis_auth import PASSWORD_ENV, with_password
 
 
 class ServeError(RuntimeError):
@@ -74,7 +75,9 @@ class ServeConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
-        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides."""
+        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides;
+        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS`` and
+        ``EMBER_HANDLER_ROOTS`` checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
         from runtime.sources import SourceRoots
@@ -92,6 +95,7 @@ class ServeConfig:
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})
+        values["redis_url"] = with_password(values.get("redis_url"), env.get(PASSWORD_ENV))
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
         SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         return cls(**values)
