@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Receive, Scope
 
 from gateway.fastpath import InvocationFastPath, read_body
+from gateway.function_code import FunctionCodeConfig, split_upload, store_handler
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
 from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
@@ -67,6 +68,7 @@ Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
 class GatewayConfig:
     api_key: str | None = None  # required when the gateway listens beyond loopback
     logs_dir: Path | None = None  # where instances' logs are (EMBER_HOME/logs)
+    code: FunctionCodeConfig | None = None  # where uploaded handler modules go (None: no custom handlers)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and len(self.api_key) < 16:
@@ -160,25 +162,21 @@ def create_app(
     @app.post("/v1/functions", status_code=201, dependencies=auth)
     async def deploy(request: Request) -> dict[str, Any]:
         raw = (await request.body()).decode("utf-8", errors="replace")
+        files: dict[str, str] = {}
         if "json" in request.headers.get("content-type", ""):
             try:
-                spec = parse_function(json.loads(raw))
+                data, files = split_upload(json.loads(raw))
+                spec = parse_function(data)
             except json.JSONDecodeError as exc:
                 raise SpecError(f"malformed JSON: {exc}") from None
         else:
             spec = parse_function_yaml(raw)
-        handler = spec.spec.handler
-        if handler != "default":
-            path = Path(handler.rpartition(":")[0])
-            if not path.is_absolute() or not path.is_file():
-                raise SpecError(
-                    f"spec.handler: {path} is not a file on the server (give an absolute path; "
-                    f"`ember deploy -f` resolves it against the YAML's directory)"
-                )
+        handler = await asyncio.to_thread(store_handler, config.code, spec.name, spec.spec.handler, files)
         model = None
         if serving is not None:
             model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
         document = spec.to_document()
+        document["spec"]["handler"] = handler  # an uploaded module's stored path
         try:
             previous: dict[str, Any] | None = await asyncio.to_thread(state.get_record, spec.name)
         except FunctionNotFound:
@@ -203,6 +201,8 @@ def create_app(
     @app.delete("/v1/functions/{name}", status_code=204, dependencies=auth)
     async def delete(name: str) -> Response:
         await asyncio.to_thread(state.delete_function, name)
+        if config.code is not None:
+            await asyncio.to_thread(config.code.remove, name)
         if serving is not None:
             serving.invoker.forget(name)
             await serving.router.retire(name)

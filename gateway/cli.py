@@ -178,19 +178,21 @@ def _client(args: argparse.Namespace) -> Any:
 def _deploy(args: argparse.Namespace) -> int:
     import yaml
 
+    from gateway.function_code import with_handler_module
+
     try:
         document = yaml.safe_load(args.file.read_text())
     except (OSError, yaml.YAMLError) as exc:
         return _fail("deploy", exc, 2)
-    spec = document.get("spec") if isinstance(document, dict) else None
-    handler = spec.get("handler") if isinstance(spec, dict) else None
-    if isinstance(handler, str) and ":" in handler and not handler.startswith("/"):
-        spec["handler"] = str((args.file.resolve().parent / handler).resolve())  # type: ignore[index]
+    try:
+        body = with_handler_module(document, args.file)
+    except (OSError, ValueError) as exc:
+        return _fail("deploy", exc, 2)
     print(
         "deploying (the first deploy of a model registers it, which takes a few seconds)...", file=sys.stderr
     )
     with _client(args) as gw:
-        created = gw.call("POST", "/v1/functions", json=document).json()
+        created = gw.call("POST", "/v1/functions", json=body).json()
     print(f"deployed {created['metadata']['name']}")
     return 0
 

@@ -27,8 +27,10 @@ from typing import Any
 import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
+from gateway.function_code import FunctionCodeConfig
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
+from gateway.redis_auth import PASSWORD_ENV, with_password
 
 
 class ServeError(RuntimeError):
@@ -73,9 +75,12 @@ class ServeConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
-        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides."""
+        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides;
+        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS`` and
+        ``EMBER_HANDLER_ROOTS`` checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
+        from runtime.sources import SourceRoots
 
         env = os.environ
         values: dict[str, Any] = {"home": ember_home()}
@@ -90,11 +95,15 @@ class ServeConfig:
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})
+        values["redis_url"] = with_password(values.get("redis_url"), env.get(PASSWORD_ENV))
+        FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
+        SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         return cls(**values)
 
 
 async def serve(config: ServeConfig) -> None:
     """Run the embedded mode until SIGINT/SIGTERM."""
+    os.umask(0o077)  # every file this process and its children create is owner-only (keys, logs, AOF)
     from runtime.agent import AgentConfig, NodeAgent
     from runtime.errors import EmberRuntimeError
     from runtime.process import die_with_parent
@@ -105,7 +114,9 @@ async def serve(config: ServeConfig) -> None:
     api_key = config.api_key
     if api_key is None and not config.loopback:
         api_key = secrets.token_urlsafe(24)
-    gateway_config = GatewayConfig(api_key=api_key, logs_dir=config.home / "logs")
+    gateway_config = GatewayConfig(
+        api_key=api_key, logs_dir=config.home / "logs", code=FunctionCodeConfig.from_env(config.home)
+    )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
     # take over its Redis socket. The lock goes away with this process, however it ends.

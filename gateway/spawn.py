@@ -32,7 +32,9 @@ class ServeProcess:
         self.log_path = self.home / "serve.log"
         full_env = dict(os.environ, EMBER_HOME=str(self.home), **(env or {}))
         full_env.pop("EMBER_URL", None)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
+        # 0600 like everything `ember serve` writes under EMBER_HOME (its log may quote secrets).
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._log = open(fd, "ab")  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,

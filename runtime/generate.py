@@ -19,6 +19,7 @@ from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_b
 from runtime.engine.sampling import SamplingParams
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, register
+from runtime.sources import SourceRoots
 
 BLOCK = 16
 
@@ -61,7 +62,7 @@ def generate(
 
     sink = out or sys.stdout
     params = params or SamplingParams()
-    model_reg = register(source, dtype, progress=sys.stderr.isatty())
+    model_reg = register(source, dtype, progress=sys.stderr.isatty(), roots=SourceRoots.unrestricted())
     tok = Tokenizer.from_file(str(model_reg.directory / "tokenizer.json"))
     if chat:
         tok_cfg = json.loads((model_reg.directory / "tokenizer_config.json").read_text())

@@ -11,6 +11,9 @@ the requested dtype + manifest with fingerprints), ``config.json``, ``tokenizer.
   into place last; a crash leaves at most a temporary directory, which the next
   registration removes. A file lock serialises concurrent registrations of one model.
 * Offline: nothing here touches the network.
+* Confined: path sources must lie under the model roots (``EMBER_MODEL_ROOTS``, see
+  :mod:`runtime.sources`), and a source's headers are checked
+  (:mod:`runtime.model_formats`) before its bytes are hashed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RegistrationError
-from runtime.sources import ModelSource, SourceKind, resolve
+from runtime.model_formats import ModelFormatError, check_format
+from runtime.sources import ModelSource, SourceKind, SourceRoots, resolve
 
 DTYPES = ("bfloat16", "float32")
 _STORE_DIR = "store"
@@ -81,16 +85,24 @@ def models_dir(home: Path | None = None) -> Path:
 
 
 def register(
-    source: str, dtype: str = "bfloat16", home: Path | None = None, progress: bool = False
+    source: str,
+    dtype: str = "bfloat16",
+    home: Path | None = None,
+    progress: bool = False,
+    roots: SourceRoots | None = None,
 ) -> RegisteredModel:
-    """Register ``source`` in ``dtype`` (idempotent); returns the registered model."""
+    """Register ``source`` in ``dtype`` (idempotent); returns the registered model.
+
+    ``roots`` bounds path sources (default: ``EMBER_MODEL_ROOTS``); ``pkg:`` is always allowed.
+    """
     if dtype not in DTYPES:
         raise RegistrationError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
-    src = resolve(source)
-    content_hash = src.content_hash()
-    model_id = f"{_slug(src)}-{content_hash[:12]}-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
     root = models_dir(home)
     root.mkdir(parents=True, exist_ok=True)
+    src = resolve(source, roots)
+    check_format(src)  # before hashing: a wrong file fails in microseconds, not after reading it all
+    content_hash = src.content_hash()
+    model_id = f"{_slug(src)}-{content_hash[:12]}-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
     final = root / model_id
     with _lock(root / f".lock-{model_id}"):
         if (final / _RECORD).is_file():
@@ -159,6 +171,7 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
             model.close()
         config = dict(model.config)
     else:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         config = json.loads((src.path / "config.json").read_text())
@@ -166,7 +179,11 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
         if not files:
             raise RegistrationError(f"{src.path} has no *.safetensors files")
         for file in _progress(iter(files), len(files), progress, model_id):
-            for name, t in load_file(str(file)).items():
+            try:
+                loaded = load_file(str(file))
+            except SafetensorError as exc:  # check_format passed, yet the library disagrees
+                raise ModelFormatError(f"{file.name}: {exc}") from None
+            for name, t in loaded.items():
                 tensors[name] = t.to(torch_dtype)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (src.path / name).is_file():

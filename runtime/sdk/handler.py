@@ -1,4 +1,9 @@
-"""Loading a ``module.py:function`` handler and running it with its initializer."""
+"""Loading a ``module.py:function`` handler and running it with its initializer.
+
+Handler modules are loaded only from the functions root (``EMBER_HOME/functions``), where the
+gateway stores each function's uploaded code (:mod:`gateway.function_code`); a path that
+leads anywhere else, by ``..`` or a symlink, is refused like a missing one.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,12 +33,24 @@ class LoadedHandler:
     static: bool | None  # the initializer's own choice; None follows the spec
 
 
-def load_handler(ref: str) -> LoadedHandler:
-    """Import ``/path/module.py:function`` under a private module name."""
+def functions_root() -> Path:
+    """Where function code lives: ``EMBER_HOME/functions``."""
+    from runtime.registry import ember_home
+
+    return ember_home() / "functions"
+
+
+def load_handler(ref: str, root: Path | None = None) -> LoadedHandler:
+    """Import ``/path/module.py:function`` under a private module name.
+
+    The module must resolve (``os.path.realpath``) inside ``root`` (default:
+    :func:`functions_root`); anything else is "not found or not allowed", one message for both.
+    """
     path_text, _, fn_name = ref.rpartition(":")
-    path = Path(path_text)
-    if not path.is_absolute() or not path.is_file():
-        raise HandlerError(f"handler file {path_text!r} does not exist (an absolute path is needed)")
+    base = Path(os.path.realpath(root if root is not None else functions_root()))
+    path = Path(os.path.realpath(path_text)) if os.path.isabs(path_text) and "\0" not in path_text else None
+    if path is None or not path.is_relative_to(base) or path.suffix != ".py" or not path.is_file():
+        raise HandlerError(f"handler module not found or not allowed: {path_text}")
     module_name = f"ember_handler_{abs(hash(str(path)))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:

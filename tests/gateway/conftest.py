@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,9 +44,18 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """One ``ember serve`` per test module (1 GiB arena, one pre-warmed worker)."""
+    """One ``ember serve`` per test module (1 GiB arena, one pre-warmed worker); model sources
+    and handler modules may be named by path under pytest's temporary directory (and, for
+    handlers, the repository's functions/)."""
     home = tmp_path_factory.mktemp("ember-home")
-    proc = ServeProcess(home, env={"EMBER_ARENA": "1GiB", "EMBER_PREWARM": "1"})
+    temp = os.path.realpath(tmp_path_factory.getbasetemp())
+    env = {
+        "EMBER_ARENA": "1GiB",
+        "EMBER_PREWARM": "1",
+        "EMBER_MODEL_ROOTS": temp,
+        "EMBER_HANDLER_ROOTS": f"{FUNCTIONS}:{temp}",
+    }
+    proc = ServeProcess(home, env=env)
     try:
         yield proc
     finally:

