@@ -318,7 +318,8 @@ def create_app(
             if body is None:
                 return None
             timeout = headers.get(b"x-ember-timeout")
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            raw_query = scope.get("query_string", b"")
+            query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
             namespace = query["namespace"][-1] if "namespace" in query else None
             timeout_s = timeout.decode("latin-1") if timeout else None
             return await relay(body, path, label, name, timeout_s, who, namespace)

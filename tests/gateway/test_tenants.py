@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -291,3 +294,28 @@ def test_a_gateway_without_a_key_serves_everyone_as_the_admin(tmp_path: Path) ->
     finally:
         state.close()
         srv.stop()
+
+
+def test_cli_tenant_verbs_and_namespace_option(gateway: Gateway) -> None:
+    root = Path(__file__).resolve().parents[2]
+
+    def ember(key: str, *args: str, ok: bool = True) -> str:
+        env = dict(os.environ, EMBER_API_KEY=key, EMBER_URL=gateway.url)
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *args],
+            env=env, cwd=root, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert (done.returncode == 0) == ok, done.stderr
+        return done.stdout if ok else done.stderr
+
+    created = ember(ADMIN, "tenant", "create", "team-a").split()
+    key = created[created.index("key") + 1]
+    assert key.startswith("ember_") and "team-a" in ember(ADMIN, "tenant", "list")
+    with gateway.client(key) as a:
+        assert a.post("/v1/functions", json=spec("chat", max_tokens=5)).status_code == 201
+    assert "chat" in ember(key, "list") and "chat" not in ember(ADMIN, "list")
+    assert "maxTokens: 5" in ember(ADMIN, "describe", "chat", "-n", "team-a")
+    assert "function_not_found" in ember(ADMIN, "describe", "chat", ok=False)
+    assert "permission_denied" in ember(key, "tenant", "list", ok=False)
+    assert "revoked 1 key(s) of team-a" in ember(ADMIN, "tenant", "revoke", "team-a")
+    assert "authentication_error" in ember(key, "list", ok=False)
