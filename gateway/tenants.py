@@ -28,8 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict
+from fastapi import APIRouter, Depends, Request
 
 from gateway.proxy import BadRequest
 from scheduler import names
@@ -243,9 +242,23 @@ class Authenticator:
         self._cache.clear()
 
 
-class NewTenant(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    namespace: str
+_MAX_BODY = 4096  # bytes of a POST /v1/tenants body ({"namespace": LABEL})
+
+
+async def _new_namespace(request: Request) -> str:
+    """The ``namespace`` of a ``POST /v1/tenants`` body (read here: FastAPI's own body parsing
+    would answer malformed JSON with its ``detail`` error instead of Ember's)."""
+    body = await request.body()
+    try:
+        document = json.loads(body) if len(body) <= _MAX_BODY else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        document = None
+    if not isinstance(document, dict) or set(document) != {"namespace"}:
+        raise BadRequest(f'the body must be {{"namespace": NAME}} as JSON (at most {_MAX_BODY} bytes)')
+    namespace = document["namespace"]
+    if not isinstance(namespace, str) or not names.is_label(namespace):
+        raise InvalidNamespace(f"namespace {namespace!r} is not a DNS-1123 label")
+    return namespace
 
 
 def tenant_routes(auth: Authenticator, caller: Callable[..., Awaitable[Principal]]) -> APIRouter:
@@ -260,10 +273,11 @@ def tenant_routes(auth: Authenticator, caller: Callable[..., Awaitable[Principal
             raise TenantsDisabled("tenant keys need an admin key on the gateway (EMBER_API_KEY)")
 
     @router.post("/v1/tenants", status_code=201)
-    async def create(body: NewTenant, who: Principal = dep) -> dict[str, str]:
+    async def create(request: Request, who: Principal = dep) -> dict[str, str]:
         admin(who)
-        key, kid = await asyncio.to_thread(keys.create, body.namespace)
-        return {"namespace": body.namespace, "key": key, "id": kid}
+        namespace = await _new_namespace(request)
+        key, kid = await asyncio.to_thread(keys.create, namespace)
+        return {"namespace": namespace, "key": key, "id": kid}
 
     @router.get("/v1/tenants")
     async def listing(who: Principal = dep) -> dict[str, Any]:

@@ -248,7 +248,9 @@ def test_admin_routes_revocation_and_key_storage(gateway: Gateway) -> None:
             assert a.get("/v1/cluster").status_code == 200
         assert anonymous.get("/v1/tenants").status_code == 401
         assert anonymous.get("/v1/functions").status_code == 401
-        assert admin.post("/v1/tenants", json={"namespace": "Team_A"}).status_code == 400
+        for body in (b"{", b"[]", b'{"namespace": "a", "more": 1}', b'{"namespace": "Team_A"}', b"x" * 5000):
+            bad = admin.post("/v1/tenants", content=body, headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and set(bad.json()["error"]) == {"type", "message"}, bad.text
         listing = admin.get("/v1/tenants").json()["tenants"]
         assert [t["namespace"] for t in listing] == ["team-a"]
         assert [k["id"] for k in listing[0]["keys"]] == [first["id"], second["id"]]
