@@ -6,13 +6,14 @@ filled in, the model registered) into the cluster state in Redis. Invocations go
 is a JSON ``{"error": {"type", "message"}}`` mapped to its HTTP status in one place
 (:data:`ERROR_STATUS`): 4xx for client mistakes; 503 (with ``Retry-After``) when a request
 is rejected early or Redis is away; 502 when an instance fails. An API key, when
-configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``.
+configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``:
+the gateway's own key is the admin's, tenant keys see only their namespace's functions
+(:mod:`gateway.tenants`; an admin picks a namespace with ``?namespace=``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +34,8 @@ from gateway.fastpath import InvocationFastPath, read_body
 from gateway.function_code import FunctionCodeConfig, split_upload, store_handler
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
+from gateway.tenants import Authenticator, Forbidden, Principal, TenantKeys, tenant_routes
+from scheduler import names
 from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
 from scheduler.router import Rejected, Router, StartFailed
 from scheduler.spec import SpecError, parse_function, parse_function_yaml
@@ -52,6 +56,7 @@ ERROR_STATUS: dict[type[Exception], tuple[int, str]] = {
     BadRequest: (400, "invalid_request_error"),
     RequestValidationError: (400, "invalid_request_error"),
     Unauthorized: (401, "authentication_error"),
+    Forbidden: (403, "permission_denied"),
     FunctionNotFound: (404, "function_not_found"),
     StateConflict: (409, "conflict"),
     InvocationError: (502, "instance_failed"),
@@ -142,25 +147,27 @@ def create_app(
     # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
     app.add_exception_handler(Exception, lambda _req, exc: error(exc))
 
-    def check_key(authorization: str) -> None:
-        """Raise Unauthorized unless the ``Authorization`` header carries the API key (if any)."""
-        if config.api_key is None:
-            return
-        token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+    authenticator = Authenticator(config.api_key, TenantKeys(state))
+
+    async def check_key(authorization: str) -> Principal:
+        """The caller the ``Authorization`` header names; Unauthorized for a missing or wrong key."""
+        who = await authenticator.principal(authorization)
+        if who is None:
             raise Unauthorized("missing or wrong API key (send Authorization: Bearer KEY)")
+        return who
 
-    async def authorize(request: Request) -> None:
-        check_key(request.headers.get("authorization", ""))
+    async def authorize(request: Request) -> Principal:
+        return await check_key(request.headers.get("authorization", ""))
 
-    auth = [Depends(authorize)]
+    caller = Depends(authorize)  # who: Principal = caller (a local alias: annotations are strings)
+    app.include_router(tenant_routes(authenticator, authorize))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/functions", status_code=201, dependencies=auth)
-    async def deploy(request: Request) -> dict[str, Any]:
+    @app.post("/v1/functions", status_code=201)
+    async def deploy(request: Request, who: Principal = caller) -> dict[str, Any]:
         raw = (await request.body()).decode("utf-8", errors="replace")
         files: dict[str, str] = {}
         if "json" in request.headers.get("content-type", ""):
@@ -171,35 +178,44 @@ def create_app(
                 raise SpecError(f"malformed JSON: {exc}") from None
         else:
             spec = parse_function_yaml(raw)
-        handler = await asyncio.to_thread(store_handler, config.code, spec.name, spec.spec.handler, files)
+        spec = who.place(spec)  # a tenant's own namespace; 403 for another
+        function_id = names.qualified(spec.metadata.namespace, spec.name)
+        handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
         model = None
         if serving is not None:
             model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
         document = spec.to_document()
         document["spec"]["handler"] = handler  # an uploaded module's stored path
         try:
-            previous: dict[str, Any] | None = await asyncio.to_thread(state.get_record, spec.name)
+            previous: dict[str, Any] | None = await asyncio.to_thread(state.get_record, function_id)
         except FunctionNotFound:
             previous = None
-        await asyncio.to_thread(state.put_function, spec.name, document, model)
+        await asyncio.to_thread(state.put_function, function_id, document, model)
         if serving is not None:
-            serving.invoker.forget(spec.name)
+            serving.invoker.forget(function_id)
             if previous is not None and (previous["spec"], previous.get("model")) != (document, model):
-                await serving.router.retire(spec.name)  # running instances serve the old version
+                await serving.router.retire(function_id)  # running instances serve the old version
         return document
 
     # Handlers that only read Redis are plain functions: FastAPI runs them in its thread pool,
     # so a Redis restart (retried for seconds) never stalls the event loop and its streams.
-    @app.get("/v1/functions", dependencies=auth)
-    def list_functions() -> dict[str, Any]:
-        return {"functions": list(state.list_functions().values())}
+    # Each acts in one namespace: a tenant's own, or the admin's ``?namespace=`` (default:
+    # "default"); another tenant's function is a 404 like a missing one.
+    def in_namespace(who: Principal, namespace: str | None) -> dict[str, dict[str, Any]]:
+        scope = who.scope(namespace)
+        return {i: f for i, f in state.list_functions().items() if names.split(i)[0] == scope}
 
-    @app.get("/v1/functions/{name}", dependencies=auth)
-    def describe(name: str) -> dict[str, Any]:
-        return state.get_function(name)
+    @app.get("/v1/functions")
+    def list_functions(who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
+        return {"functions": list(in_namespace(who, namespace).values())}
 
-    @app.delete("/v1/functions/{name}", status_code=204, dependencies=auth)
-    async def delete(name: str) -> Response:
+    @app.get("/v1/functions/{name}")
+    def describe(name: str, who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
+        return state.get_function(who.function(name, namespace))
+
+    @app.delete("/v1/functions/{name}", status_code=204)
+    async def delete(name: str, who: Principal = caller, namespace: str | None = None) -> Response:
+        name = who.function(name, namespace)
         await asyncio.to_thread(state.delete_function, name)
         if config.code is not None:
             await asyncio.to_thread(config.code.remove, name)
@@ -208,8 +224,11 @@ def create_app(
             await serving.router.retire(name)
         return Response(status_code=204)
 
-    @app.get("/v1/functions/{name}/logs", dependencies=auth)
-    def logs(name: str, tail: int = 200) -> PlainTextResponse:
+    @app.get("/v1/functions/{name}/logs")
+    def logs(
+        name: str, tail: int = 200, who: Principal = caller, namespace: str | None = None
+    ) -> PlainTextResponse:
+        name = who.function(name, namespace)  # "ns/name": the directory functions/ns/name
         state.get_function(name)  # 404 for unknown functions
         directory = (config.logs_dir / "functions" / name) if config.logs_dir else None
         if directory is None or not directory.is_dir():
@@ -221,21 +240,24 @@ def create_app(
             lines += [f"[{path.stem}] {line}" for line in text]
         return PlainTextResponse("\n".join(lines[-max(1, min(tail, 10_000)) :]) + "\n")
 
-    @app.get("/v1/models", dependencies=auth)
-    def models() -> dict[str, Any]:
+    @app.get("/v1/models")
+    def models(who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
         now = int(time.time())
         data = [
-            {"id": n, "object": "model", "created": now, "owned_by": "ember"} for n in state.list_functions()
+            {"id": names.split(i)[1], "object": "model", "created": now, "owned_by": "ember"}
+            for i in in_namespace(who, namespace)
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/v1/cluster", dependencies=auth)
-    def cluster() -> dict[str, Any]:
-        records = state.list_records()
+    @app.get("/v1/cluster")
+    def cluster(who: Principal = caller) -> dict[str, Any]:
+        """Everything for the admin (functions by qualified id); a tenant sees its own functions
+        by name and no devices (their residency would show other tenants' models)."""
+        records = {i: r for i, r in state.list_records().items() if who.sees(i)}
         return {
-            "devices": state.devices(),
+            "devices": state.devices() if who.admin else {},
             "functions": {
-                name: {
+                who.shown(name): {
                     "model": record.get("model"),
                     "instances": [
                         {
@@ -257,15 +279,21 @@ def create_app(
         return app
     invoker = serving.invoker
 
-    @app.get("/metrics", dependencies=auth)
-    def metrics() -> Response:
-        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
+    @app.get("/metrics")
+    def metrics(who: Principal = caller) -> Response:
+        """Every series for the admin; a tenant's own functions' series only."""
+        text = serving.metrics.render(who.namespace)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
-    async def relay(body: bytes, path: str, label: str, name: str | None, timeout: str | None) -> Response:
+    async def relay(
+        body: bytes, path: str, label: str, name: str | None, timeout: str | None, who: Principal,
+        namespace: str | None,
+    ) -> Response:  # fmt: skip
         """Relay one invocation; OpenAI routes name the function in the body's ``model``."""
         if name is None:
-            name, _ = request_model(body)
+            name = who.model(request_model(body)[0])
         else:
+            name = who.function(name, namespace)  # before any routing: 404 for another tenant's
             try:
                 json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -273,7 +301,10 @@ def create_app(
         return await invoker.forward(name, path, body, label, timeout)
 
     async def forward(request: Request, path: str, label: str, name: str | None = None) -> Response:
-        return await relay(await request.body(), path, label, name, request.headers.get("x-ember-timeout"))
+        who = await authorize(request)
+        namespace = request.query_params.get("namespace")
+        timeout = request.headers.get("x-ember-timeout")
+        return await relay(await request.body(), path, label, name, timeout, who, namespace)
 
     async def fast_forward(
         scope: Scope, receive: Receive, path: str, label: str, name: str | None
@@ -282,12 +313,16 @@ def create_app(
         (see :class:`gateway.fastpath.InvocationFastPath`); None if the client hung up."""
         try:
             headers = dict(scope["headers"])
-            check_key(headers.get(b"authorization", b"").decode("latin-1"))
+            who = await check_key(headers.get(b"authorization", b"").decode("latin-1"))
             body = await read_body(receive)
             if body is None:
                 return None
             timeout = headers.get(b"x-ember-timeout")
-            return await relay(body, path, label, name, timeout.decode("latin-1") if timeout else None)
+            raw_query = scope.get("query_string", b"")
+            query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
+            namespace = query["namespace"][-1] if "namespace" in query else None
+            timeout_s = timeout.decode("latin-1") if timeout else None
+            return await relay(body, path, label, name, timeout_s, who, namespace)
         except Exception as exc:
             if not isinstance(exc, HANDLED):
                 log.exception("invocation failed")
@@ -295,15 +330,15 @@ def create_app(
 
     app.add_middleware(InvocationFastPath, forward=fast_forward)
 
-    @app.post("/v1/functions/{name}/invoke", dependencies=auth)
+    @app.post("/v1/functions/{name}/invoke")
     async def invoke(name: str, request: Request) -> Response:
         return await forward(request, "/invoke", "invoke", name)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await forward(request, "/v1/chat/completions", "chat")
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions", "completions")
 

@@ -33,9 +33,16 @@ def _parser() -> argparse.ArgumentParser:
         )
         return p
 
+    def scoped(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument(
+            "-n", "--namespace", default=None,
+            help="the functions' namespace (admin key only; a tenant key always acts in its own)",
+        )  # fmt: skip
+        return client(p)
+
     deploy = client(verbs.add_parser("deploy", help="deploy (or update) a function from YAML"))
     deploy.add_argument("-f", "--file", required=True, type=Path)
-    invoke = client(verbs.add_parser("invoke", help="call a function"))
+    invoke = scoped(verbs.add_parser("invoke", help="call a function"))
     invoke.add_argument("name")
     what = invoke.add_mutually_exclusive_group(required=True)
     what.add_argument("-d", "--data", help="the event as JSON")
@@ -43,14 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     invoke.add_argument("--stream", action="store_true", help="print text as it is generated")
     invoke.add_argument("--max-tokens", type=int, default=None)
     invoke.add_argument("--timing", action="store_true", help="print time to first token and total")
-    client(verbs.add_parser("list", help="list deployed functions"))
+    scoped(verbs.add_parser("list", help="list deployed functions"))
     for verb, text in (("describe", "show a function's spec with defaults"), ("delete", "delete a function")):
-        client(verbs.add_parser(verb, help=text)).add_argument("name")
-    logs = client(verbs.add_parser("logs", help="show a function's instance logs"))
+        scoped(verbs.add_parser(verb, help=text)).add_argument("name")
+    logs = scoped(verbs.add_parser("logs", help="show a function's instance logs"))
     logs.add_argument("name")
     logs.add_argument("--tail", type=int, default=200)
     status = client(verbs.add_parser("status", help="nodes, devices, residency and instances"))
     status.add_argument("--socket", default=None, help="show one pool daemon's stats instead")
+    tenant = verbs.add_parser("tenant", help="API keys scoped to a namespace (admin key only)")
+    tenant_verbs = tenant.add_subparsers(dest="tenant_verb", required=True)
+    create = client(tenant_verbs.add_parser("create", help="a new key for NAMESPACE (printed once)"))
+    create.add_argument("namespace")
+    client(tenant_verbs.add_parser("list", help="namespaces with keys, and the keys' ids"))
+    revoke = client(tenant_verbs.add_parser("revoke", help="revoke NAMESPACE's keys (or one: --key ID)"))
+    revoke.add_argument("namespace")
+    revoke.add_argument("--key", default=None, help="the id of one key (`ember tenant list`)")
     pool = verbs.add_parser("pool", help="run a per-device memory pool daemon")
     add_arguments(pool)
     gen = verbs.add_parser("generate", help="complete a prompt with a model (registered on first use)")
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {
         "serve": _serve, "pool": _pool, "generate": _generate, "worker": _worker, "deploy": _deploy,
         "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
-        "status": _status,
+        "status": _status, "tenant": _tenant,
     }[args.verb]  # fmt: skip
 
     from gateway.client import GatewayError
@@ -201,7 +216,7 @@ def _invoke(args: argparse.Namespace) -> int:
     import time
 
     with _client(args) as gw:
-        spec = gw.call("GET", f"/v1/functions/{args.name}").json()
+        spec = gw.call("GET", f"/v1/functions/{args.name}", params=_ns(args)).json()
         default = spec["spec"]["handler"] == "default"
         if args.data is not None:
             try:
@@ -217,6 +232,10 @@ def _invoke(args: argparse.Namespace) -> int:
                 event["max_tokens"] = args.max_tokens
             event["stream"] = args.stream
         path = f"/v1/functions/{args.name}/invoke"
+        if args.namespace is not None:
+            from urllib.parse import urlencode
+
+            path += "?" + urlencode(_ns(args))
         t0 = time.perf_counter()
         ttft = None
         if args.stream:
@@ -251,13 +270,16 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from scheduler.names import qualified
+
     with _client(args) as gw:
-        functions = gw.call("GET", "/v1/functions").json()["functions"]
-        cluster = gw.call("GET", "/v1/cluster").json()["functions"]
+        functions = gw.call("GET", "/v1/functions", params=_ns(args)).json()["functions"]
+        cluster = gw.call("GET", "/v1/cluster").json()["functions"]  # admin: by "ns/name"
     print(f"{'NAME':<24} {'HANDLER':<10} {'MODEL':<48} INSTANCES")
     for f in functions:
         name = f["metadata"]["name"]
-        live = [i for i in cluster.get(name, {}).get("instances", []) if i["state"] in ("starting", "ready")]
+        shown = cluster.get(qualified(f["metadata"].get("namespace", "default"), name)) or cluster.get(name)
+        live = [i for i in (shown or {}).get("instances", []) if i["state"] in ("starting", "ready")]
         handler = "default" if f["spec"]["handler"] == "default" else "custom"
         print(f"{name:<24} {handler:<10} {f['spec']['model']['source'][:48]:<48} {len(live)}")
     return 0
@@ -267,21 +289,22 @@ def _describe(args: argparse.Namespace) -> int:
     import yaml
 
     with _client(args) as gw:
-        spec = gw.call("GET", f"/v1/functions/{args.name}").json()
+        spec = gw.call("GET", f"/v1/functions/{args.name}", params=_ns(args)).json()
     print(yaml.safe_dump(spec, sort_keys=False), end="")
     return 0
 
 
 def _delete(args: argparse.Namespace) -> int:
     with _client(args) as gw:
-        gw.call("DELETE", f"/v1/functions/{args.name}")
+        gw.call("DELETE", f"/v1/functions/{args.name}", params=_ns(args))
     print(f"deleted {args.name}")
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
     with _client(args) as gw:
-        print(gw.call("GET", f"/v1/functions/{args.name}/logs", params={"tail": args.tail}).text, end="")
+        params = {"tail": args.tail, **_ns(args)}
+        print(gw.call("GET", f"/v1/functions/{args.name}/logs", params=params).text, end="")
     return 0
 
 
@@ -313,6 +336,28 @@ def _status(args: argparse.Namespace) -> int:
         for i in f["instances"]:
             extra = f", loaded {int(i['bytes_loaded']) / 1e6:.0f} MB" if "bytes_loaded" in i else ""
             print(f"  instance {i['id']} {i['state']} on {i['device']}, in flight {i['in_flight']}{extra}")
+    return 0
+
+
+def _ns(args: argparse.Namespace) -> dict[str, str]:
+    """The ``?namespace=`` of a verb's request (none: the key's own, or "default" for the admin)."""
+    return {} if args.namespace is None else {"namespace": args.namespace}
+
+
+def _tenant(args: argparse.Namespace) -> int:
+    with _client(args) as gw:
+        if args.tenant_verb == "create":
+            created = gw.call("POST", "/v1/tenants", json={"namespace": args.namespace}).json()
+            print(f"namespace {created['namespace']}: key {created['key']} (id {created['id']})")
+            print("the key is shown only now: store it (EMBER_API_KEY for `ember` calls)", file=sys.stderr)
+        elif args.tenant_verb == "list":
+            print(f"{'NAMESPACE':<32} KEYS")
+            for t in gw.call("GET", "/v1/tenants").json()["tenants"]:
+                print(f"{t['namespace']:<32} {' '.join(k['id'] for k in t['keys'])}")
+        else:
+            path = f"/v1/tenants/{args.namespace}" + (f"/keys/{args.key}" if args.key else "")
+            revoked = gw.call("DELETE", path).json()["revoked"]
+            print(f"revoked {revoked} key(s) of {args.namespace}")
     return 0
 
 

@@ -62,10 +62,14 @@ class FunctionCodeConfig:
         return cls(Path(os.path.realpath(home)) / "functions", tuple(roots))
 
     def function_dir(self, name: str) -> Path:
-        """The directory of function ``name``'s code (``name``: a DNS-1123 label, no ``..``)."""
-        if not _FUNCTION_NAME.match(name):
-            raise ValueError(f"function name {name!r} is not a DNS-1123 label")
-        return self.root / name
+        """The directory of function ``name``'s code: ``NAME`` (namespace ``default``) or
+        ``NAMESPACE/NAME``, each part a DNS-1123 label (so never ``..`` or an absolute path)."""
+        parts = name.split("/")
+        if len(parts) > 2 or not all(_FUNCTION_NAME.match(part) for part in parts):
+            raise ValueError(f"function id {name!r} is not NAME or NAMESPACE/NAME (DNS-1123 labels)")
+        # Plain names live in namespace "default": a default function named like a namespace
+        # must not share (or on delete, remove) that namespace's directory.
+        return self.root.joinpath(*(["default", *parts] if len(parts) == 1 else parts))
 
     def remove(self, name: str) -> None:
         """Delete function ``name``'s stored code (after the function was deleted)."""

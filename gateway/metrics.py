@@ -4,6 +4,11 @@ Request counters and TTFT / end-to-end histograms are observed by the invocation
 cold starts and the bytes they loaded vs reused are observed when an instance becomes
 ready; pool gauges (resident, loaded, reused bytes per device) are read from the cluster
 state at scrape time, so they are what the pools last reported.
+
+Series are labelled with the function's qualified id (``scheduler.names``: ``ns/name``, the
+plain name in ``default``). A tenant's scrape (:meth:`Metrics.render` with its namespace)
+holds only its own functions' series, labelled with their plain names, and no pool gauges
+(device residency is cluster-wide).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from scheduler import names
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -93,5 +100,34 @@ class Metrics:
         self.start_reused.labels(function).inc(bytes_reused)
         self.start_seconds.labels(function).observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, namespace: str | None = None) -> bytes:
+        """The exposition text: every series, or (``namespace`` given) that namespace's only."""
+        if namespace is None:
+            return generate_latest(self.registry)
+        view = CollectorRegistry(auto_describe=False)
+        view.register(_NamespaceView(self.registry, namespace))
+        return generate_latest(view)
+
+
+class _NamespaceView(Collector):
+    """The series of one namespace's functions, relabelled with their plain names."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        self.registry = registry
+        self.namespace = namespace
+
+    def describe(self) -> list[Metric]:
+        return []  # registered on a throwaway registry: no name clashes to check
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            view = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            for sample in metric.samples:
+                function = sample.labels.get("function")
+                if function is None:
+                    continue  # not per function (pool gauges): cluster-wide, admin only
+                namespace, name = names.split(function)
+                if namespace == self.namespace:
+                    view.samples.append(sample._replace(labels={**sample.labels, "function": name}))
+            if view.samples:
+                yield view

@@ -196,7 +196,11 @@ class NodeAgent:
         if resp.status_code != 200:
             await self._terminate(worker)
             raise LaunchError(f"worker refused the function: {_error_message(resp)}")
-        name = spec["metadata"]["name"]
+        # The function's qualified id (scheduler.names, not imported: runtime stays independent of
+        # the scheduler): "ns/name", two path components; the plain name in "default".
+        meta = spec["metadata"]
+        namespace = meta.get("namespace", "default")
+        name = meta["name"] if namespace == "default" else f"{namespace}/{meta['name']}"
         log_path = self.log_dir / "functions" / name / f"instance-{instance_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file

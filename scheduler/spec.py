@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -119,14 +120,15 @@ class FunctionBody(_Strict):
 
 class Metadata(_Strict):
     name: str
+    namespace: str = "default"  # scheduler.names.DEFAULT_NAMESPACE; a tenant key's own when left out
 
-    @field_validator("name")
+    @field_validator("name", "namespace")
     @classmethod
-    def _check_name(cls, name: str) -> str:
+    def _check_name(cls, name: str, info: ValidationInfo) -> str:
         if len(name) > 63 or not _DNS_LABEL.match(name):
             raise ValueError(
-                f"name {name!r} must be a DNS-1123 label: lowercase letters, digits and '-', "
-                f"starting and ending with a letter or digit, at most 63 characters"
+                f"{info.field_name} {name!r} must be a DNS-1123 label: lowercase letters, digits and "
+                f"'-', starting and ending with a letter or digit, at most 63 characters"
             )
         return name
 

@@ -53,17 +53,17 @@ def test_uploaded_modules_are_stored_owner_only_in_the_functions_directory(
         path_text, _, function = created.json()["spec"]["handler"].rpartition(":")
         stored = Path(path_text)
         assert function == "handler" and stored.read_text() == MODULE
-        assert stored.is_relative_to(code.root / "echo")
+        assert stored.is_relative_to(code.function_dir("echo"))
         assert stat.S_IMODE(stored.stat().st_mode) == 0o600
         assert stat.S_IMODE(stored.parent.stat().st_mode) == 0o700
-        assert stat.S_IMODE((code.root / "echo").stat().st_mode) == 0o700
+        assert stat.S_IMODE((code.function_dir("echo")).stat().st_mode) == 0o700
         again = http.post("/v1/functions", json=created.json())  # describe's output redeploys as is
         assert again.status_code == 201 and again.json() == created.json()
         changed = http.post("/v1/functions", json=upload("echo", "echo.py", MODULE + "# v2\n"))
         assert changed.json()["spec"]["handler"] != created.json()["spec"]["handler"]
         assert stored.read_text() == MODULE  # the running version's module is never rewritten
         assert http.delete("/v1/functions/echo").status_code == 204
-        assert not (code.root / "echo").exists()
+        assert not (code.function_dir("echo")).exists()
 
 
 def test_handler_paths_outside_the_function_are_refused_uniformly(
@@ -96,7 +96,7 @@ def test_handler_paths_outside_the_function_are_refused_uniformly(
             "/v1/functions", json=custom("summarize", f"{FUNCTIONS}/summarize/summarize.py:handler")
         )
         assert ok.status_code == 201, ok.text  # an operator's handler root: copied into the function
-        assert ok.json()["spec"]["handler"].startswith(f"{code.root / 'summarize'}/")
+        assert ok.json()["spec"]["handler"].startswith(f"{code.function_dir('summarize')}/")
         assert http.get("/v1/functions/sneaky").status_code == 404
 
 
