@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--pool-socket", required=True, help="the device pool's socket")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
+    worker.add_argument(
+        "--token-stdin",
+        action="store_true",
+        help="read the worker's credential from stdin (default: generate one, printed when ready)",
+    )
+    worker.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     return parser
 
 
@@ -150,8 +156,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from runtime.registry import load
+    from runtime.supervision import new_token
     from runtime.worker import serve
+    from runtime.worker_guard import GuardConfig
     from scheduler.spec import parse_function
+
+    try:
+        token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
+        guard = GuardConfig(token, args.max_body_bytes)
+    except ValueError as exc:
+        return _fail("worker", exc, 2)
 
     model = load(Path(args.model_dir))
     spec = parse_function(
@@ -164,7 +178,7 @@ def _worker(args: argparse.Namespace) -> int:
         "model_dir": args.model_dir,
         "pool_socket": args.pool_socket,
     }
-    serve(args.host, args.port, [args.model_dir], assignment)
+    serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
     return 0
 
 
