@@ -158,9 +158,16 @@ class NodeAgent:
             self._spawn_in_background()
 
     async def close(self) -> None:
-        """Stop every worker and pool."""
-        for task in list(self._tasks):
+        """Stop every worker (those still starting too) and pool."""
+        starting = list(self._spawning.values())
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for proc in starting:  # a cancelled start leaves its process: end it
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
         workers = self._warm + list(self._instances.values())
         self._warm, self._instances = [], {}
         await asyncio.gather(*(self._terminate(w) for w in workers), return_exceptions=True)
