@@ -318,6 +318,10 @@ def _status(args: argparse.Namespace) -> int:
             f"loaded {d['bytes_loaded'] / 1e6:.0f} MB, reused {d['bytes_reused'] / 1e6:.0f} MB, "
             f"warm workers {d.get('warm_workers', 0)}"
         )
+        if d.get("worker_failures"):
+            error = str(d.get("last_worker_error") or "")[-200:]
+            print(f"  workers failing to start: {d['worker_failures']} in a row, next try in "
+                  f"{d.get('backoff_s', 0):.0f} s: {error}")  # fmt: skip
         for model_id, nbytes in d.get("models", {}).items():
             print(f"  resident model {model_id}: {nbytes / 1e6:.0f} MB")
     for name, f in cluster["functions"].items():
