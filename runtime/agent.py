@@ -15,7 +15,8 @@ environment stripped of secrets); the agent sends it on ``/_ember/*`` and return
 when a function is handed to it (its port refuses the connection: nothing was delivered) is
 discarded and another one taken. Workers that keep failing to start are retried with capped
 exponential backoff, shown in the device report (``worker_failures``, ``backoff_s``,
-``last_worker_error``); a launch meanwhile fails at once with the last error.
+``last_worker_error``); after two failures in a row a launch fails at once with the last
+error while the next try waits.
 """
 
 from __future__ import annotations
@@ -414,7 +415,8 @@ class NodeAgent:
                     return worker
             self._urgent.set()
             backoff = self._backoff
-            if backoff.remaining_s() > 0 and not self._spawning:  # failing starts: say so now
+            # Starts keep failing (not a one-off) and none is under way: say so now, not at the deadline.
+            if backoff.failures >= 2 and backoff.remaining_s() > 0 and not self._spawning:
                 raise LaunchError(
                     f"pre-warmed workers keep failing to start ({backoff.failures} in a row, next try "
                     f"in {backoff.remaining_s():.1f} s): {backoff.last_error}"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from runtime.agent import AgentConfig, LaunchError, NodeAgent
-from runtime.supervision import BackoffConfig
+from runtime.supervision import BackoffConfig, SpawnBackoff
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler.spec import parse_function
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
@@ -124,3 +124,12 @@ def test_failing_worker_starts_back_off_and_show_in_the_report(tmp_path: Path) -
             await agent.close()
 
     asyncio.run(scenario())
+
+
+def test_backoff_doubles_up_to_its_cap_and_resets_on_success() -> None:
+    backoff = SpawnBackoff(BackoffConfig(initial_s=1.0, max_s=60.0))
+    assert [backoff.failed("boom") for _ in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff.report()["worker_failures"] == 8 and backoff.report()["last_worker_error"] == "boom"
+    backoff.succeeded()
+    assert backoff.report() == {"worker_failures": 0, "backoff_s": 0.0, "last_worker_error": None}
+    assert backoff.failed("again") == 1
