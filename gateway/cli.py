@@ -84,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--pool-socket", required=True, help="the device pool's socket")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
+    worker.add_argument(
+        "--token-stdin",
+        action="store_true",
+        help="read the worker's credential from stdin (default: generate one, printed when ready)",
+    )
+    worker.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     return parser
 
 
@@ -165,8 +171,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from runtime.registry import load
+    from runtime.supervision import new_token
     from runtime.worker import serve
+    from runtime.worker_guard import GuardConfig
     from scheduler.spec import parse_function
+
+    try:
+        token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
+        guard = GuardConfig(token, args.max_body_bytes)
+    except ValueError as exc:
+        return _fail("worker", exc, 2)
 
     model = load(Path(args.model_dir))
     spec = parse_function(
@@ -179,7 +193,7 @@ def _worker(args: argparse.Namespace) -> int:
         "model_dir": args.model_dir,
         "pool_socket": args.pool_socket,
     }
-    serve(args.host, args.port, [args.model_dir], assignment)
+    serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
     return 0
 
 
@@ -329,6 +343,10 @@ def _status(args: argparse.Namespace) -> int:
             f"loaded {d['bytes_loaded'] / 1e6:.0f} MB, reused {d['bytes_reused'] / 1e6:.0f} MB, "
             f"warm workers {d.get('warm_workers', 0)}"
         )
+        if d.get("worker_failures"):
+            error = str(d.get("last_worker_error") or "")[-200:]
+            print(f"  workers failing to start: {d['worker_failures']} in a row, next try in "
+                  f"{d.get('backoff_s', 0):.0f} s: {error}")  # fmt: skip
         for model_id, nbytes in d.get("models", {}).items():
             print(f"  resident model {model_id}: {nbytes / 1e6:.0f} MB")
     for name, f in cluster["functions"].items():

@@ -4,9 +4,15 @@ Connections to workers are pooled (one ``aiohttp.ClientSession`` per gateway: it
 0.3 ms less per request than httpx, and the gateway's overhead budget is 2 ms). A JSON answer
 is read whole and returned; an SSE answer is passed through chunk by chunk as it arrives;
 the worker's ``Server-Timing`` header (its own service time) is passed on with either.
-If the worker dies before answering, the request is routed again (the dead instance is
-forgotten); if it dies mid-stream the client gets one ``error`` event and ``[DONE]``,
-as OpenAI streams end on errors. The instance's slot is released in every case.
+Every request carries the instance's credential (``X-Ember-Worker-Token``).
+
+Delivery is at most once: only a connection that could not be made (nothing was sent) is
+routed again (a dead instance is forgotten). Once the request may have reached the worker, a
+failure is one 502 ``instance_failed`` and the request is never re-sent: a handler that
+crashes its worker runs once. Pooled connections idle at most 30 s, less than the worker's
+keep-alive (``runtime.worker.KEEP_ALIVE_S``), so a request is never written to a connection
+the worker already closed. If the worker dies mid-stream the client gets one ``error`` event
+and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released in every case.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict
 from scheduler.router import Route, Router, keep_alive_s
 from scheduler.state import ClusterState
 
+WORKER_TOKEN_HEADER = "x-ember-worker-token"  # runtime.worker_guard.TOKEN_HEADER
+POOL_KEEP_ALIVE_S = 30.0  # idle pooled connections: below the worker's keep-alive (75 s)
+# Failures that happen before any byte of the request is sent: safe to route again.
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
 
 class InvocationError(SchedulerError):
     """The instance failed while answering (HTTP 502)."""
@@ -42,7 +53,7 @@ class InvocationError(SchedulerError):
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     request_timeout_s: float = 300.0  # default deadline of a request (X-Ember-Timeout overrides)
-    connect_retries: int = 2  # re-routes after an instance refused the connection
+    connect_retries: int = 2  # re-routes after a connection to an instance could not be made
     record_ttl_s: float = 1.0  # how long a function record is reused without asking Redis
 
     def __post_init__(self) -> None:
@@ -61,7 +72,7 @@ class Invoker:
         self._records: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (fetched at, record)
         self._urls: dict[tuple[str, str], yarl.URL] = {}
         self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=30.0),
+            connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=POOL_KEEP_ALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies: skip the jar per request
             timeout=aiohttp.ClientTimeout(total=config.request_timeout_s, connect=5.0),
             auto_decompress=False,
@@ -125,26 +136,30 @@ class Invoker:
             route = await self.router.route(name, record, deadline)
             if not route.cold:
                 self.metrics.route.labels(name).observe(time.perf_counter() - t0)
+            sent = {**headers, WORKER_TOKEN_HEADER: route.token} if route.token else headers
             try:  # returns once the headers are in; the body is read (or relayed) below
-                upstream = await self.http.post(self._url(route.url, path), data=body, headers=headers)
-            except BaseException as exc:
-                if not isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
-                    # Anything else (a malformed response, cancellation): free the slot, then fail.
-                    with anyio.CancelScope(shield=True):
-                        await self.router.done(
-                            name, route, keep_alive, time.perf_counter() - t0, reusable=False
-                        )
-                    if isinstance(exc, aiohttp.ClientError):
-                        raise InvocationError(
-                            f"instance {route.instance_id} of {name!r} failed: {exc}"
-                        ) from None
-                    raise
+                upstream = await self.http.post(self._url(route.url, path), data=body, headers=sent)
+            except _NOT_SENT as exc:  # nothing reached the instance: route again
                 await self._lost(name, route, keep_alive)
                 if attempt == self.config.connect_retries:
                     raise InvocationError(
                         f"instance {route.instance_id} of {name!r} is unreachable: {exc}"
                     ) from None
                 continue
+            except BaseException as exc:
+                # The request may have reached the worker: never re-send it (at most once).
+                with anyio.CancelScope(shield=True):
+                    if isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
+                        await self._lost(name, route, keep_alive)  # forgotten if its process died
+                    else:  # a malformed response, cancellation: free the slot
+                        await self.router.done(
+                            name, route, keep_alive, time.perf_counter() - t0, reusable=False
+                        )
+                if isinstance(exc, aiohttp.ClientError | TimeoutError):
+                    self.metrics.requests.labels(name, route_label, "502").inc()
+                    self.metrics.errors.labels(name, "instance_failed").inc()
+                    raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
+                raise
             break
 
         async def finish(status: int, reusable: bool) -> None:

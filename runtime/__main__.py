@@ -1,9 +1,15 @@
-"""``python -m runtime``: a worker process (what the node agent starts for its pre-warmed pool)."""
+"""``python -m runtime``: a worker process (what the node agent starts for its pre-warmed pool).
+
+The worker's credential is the first line of its stdin (the agent writes it there: argv and
+the environment are readable by other processes through ``/proc``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, GuardConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,7 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", action="append", default=[], help="registered model directory")
     parser.add_argument("--premap", action="append", default=[], help="pool socket whose arena to map early")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process dies")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413"
+    )
     args = parser.parse_args(argv)
+    try:
+        guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
+    except ValueError as exc:
+        parser.error(f"stdin must carry the worker's credential: {exc}")
     from runtime.process import exit_with_parent, set_idle_priority
 
     if args.parent_pid is not None:
@@ -22,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)
     from runtime.worker import serve
 
-    serve(args.host, args.port, args.preload, premap=args.premap)
+    serve(args.host, args.port, args.preload, premap=args.premap, guard=guard)
     return 0
 
 

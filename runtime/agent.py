@@ -8,6 +8,15 @@ pays for a process start or an import. Stopping an instance sends SIGTERM: the w
 drains, releases its tensors (they stay resident) and exits. Pool stats are reported
 through ``report`` (the scheduler's device record). The agent satisfies
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
+
+Each worker gets its own credential (:mod:`runtime.supervision`: over stdin, with an
+environment stripped of secrets); the agent sends it on ``/_ember/*`` and returns it in
+:class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
+when a function is handed to it (its port refuses the connection: nothing was delivered) is
+discarded and another one taken. Workers that keep failing to start are retried with capped
+exponential backoff, shown in the device report (``worker_failures``, ``backoff_s``,
+``last_worker_error``); after two failures in a row a launch fails at once with the last
+error while the next try waits.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import httpx
 
 from runtime.errors import EmberRuntimeError
 from runtime.process import boost, die_with_parent
+from runtime.supervision import BackoffConfig, SpawnBackoff, new_token, worker_environment
+from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
 
 
 class LaunchError(EmberRuntimeError):
@@ -46,8 +57,12 @@ class AgentConfig:
     # A replacement worker warming up beside a new instance slows that instance's first
     # requests (shared cores and caches, even at SCHED_IDLE): replenish a little later.
     replenish_delay_s: float = 2.0
+    worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
 
     def __post_init__(self) -> None:
+        if self.worker_max_body_bytes < 1024:
+            raise ValueError("worker_max_body_bytes must be at least 1 KiB")
         if self.arena_bytes < 1 << 20:
             raise ValueError("arena_bytes must be at least 1 MiB")
         if self.replenish_delay_s < 0:
@@ -68,6 +83,7 @@ class InstanceStart:
     bytes_reused: int
     timings_ms: dict[str, float]
     log_path: str
+    token: str  # the worker's credential: requests to ``url`` send it (runtime.worker_guard)
 
 
 @dataclass
@@ -75,6 +91,11 @@ class _Worker:
     proc: asyncio.subprocess.Process
     url: str
     log_path: Path
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {TOKEN_HEADER: self.token}
 
 
 class NodeAgent:
@@ -97,7 +118,8 @@ class NodeAgent:
         self._templates: set[str] = set()  # model directories every new worker preloads
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.worker_start_timeout_s))
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.spawn_errors: list[str] = []
+        self.spawn_errors: list[str] = []  # the last few start failures (bounded)
+        self._backoff = SpawnBackoff(config.backoff)
 
     # ----- lifecycle ----------------------------------------------------------------------------
 
@@ -137,9 +159,16 @@ class NodeAgent:
             self._spawn_in_background()
 
     async def close(self) -> None:
-        """Stop every worker and pool."""
-        for task in list(self._tasks):
+        """Stop every worker (those still starting too) and pool."""
+        starting = list(self._spawning.values())
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for proc in starting:  # a cancelled start leaves its process: end it
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
         workers = self._warm + list(self._instances.values())
         self._warm, self._instances = [], {}
         await asyncio.gather(*(self._terminate(w) for w in workers), return_exceptions=True)
@@ -161,7 +190,9 @@ class NodeAgent:
             self._templates.add(model_dir)
             for w in list(self._warm):
                 with contextlib.suppress(httpx.HTTPError):
-                    await self._http.post(f"{w.url}/_ember/preload", json={"model_dir": model_dir})
+                    await self._http.post(
+                        f"{w.url}/_ember/preload", json={"model_dir": model_dir}, headers=w.headers
+                    )
         return {"id": model.model_id, "dir": model_dir, "weight_bytes": int(manifest.nbytes)}
 
     def adopt_template(self, model_dir: str) -> None:
@@ -179,8 +210,6 @@ class NodeAgent:
             raise LaunchError(f"this node has no pool for {device_id}")
         if model["dir"] not in self._templates:
             self._templates.add(model["dir"])
-        worker = await self._take_warm()
-        self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
         body = {
             "instance_id": instance_id,
             "spec": spec,
@@ -188,11 +217,21 @@ class NodeAgent:
             "pool_socket": self.pools[device].socket_path,
             "deadline": deadline,
         }
-        try:
-            resp = await self._http.post(f"{worker.url}/_ember/assign", json=body)
-        except httpx.HTTPError as exc:
-            await self._terminate(worker)
-            raise LaunchError(f"worker {worker.proc.pid} did not take the function: {exc}") from None
+        for attempt in range(self.config.prewarm + 1):
+            worker = await self._take_warm()
+            self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
+            try:
+                url = f"{worker.url}/_ember/assign"
+                resp = await self._http.post(url, json=body, headers=worker.headers)
+            except httpx.ConnectError as exc:  # a dead worker: nothing was delivered, take another
+                await self._terminate(worker)
+                if attempt == self.config.prewarm:
+                    raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
+                continue
+            except httpx.HTTPError as exc:
+                await self._terminate(worker)
+                raise LaunchError(f"worker {worker.proc.pid} did not take the function: {exc}") from None
+            break
         if resp.status_code != 200:
             await self._terminate(worker)
             raise LaunchError(f"worker refused the function: {_error_message(resp)}")
@@ -211,7 +250,7 @@ class NodeAgent:
         acquired = data["acquire"]
         return InstanceStart(
             worker.url, worker.proc.pid, int(acquired["bytes_loaded"]), int(acquired["bytes_reused"]),
-            {k: round(float(v), 3) for k, v in data["timings_ms"].items()}, str(log_path),
+            {k: round(float(v), 3) for k, v in data["timings_ms"].items()}, str(log_path), worker.token,
         )  # fmt: skip
 
     async def stop(self, instance_id: str) -> None:
@@ -229,7 +268,9 @@ class NodeAgent:
         per = max(1, (os.cpu_count() or 1) // len(workers))
         for w in workers:
             with contextlib.suppress(httpx.HTTPError):
-                await self._http.post(f"{w.url}/_ember/threads", json={"num_threads": per}, timeout=5.0)
+                await self._http.post(
+                    f"{w.url}/_ember/threads", json={"num_threads": per}, headers=w.headers, timeout=5.0
+                )
 
     def alive(self, instance_id: str) -> bool:
         """Whether this agent runs ``instance_id`` and its process lives."""
@@ -242,6 +283,10 @@ class NodeAgent:
     def instance_pid(self, instance_id: str) -> int | None:
         worker = self._instances.get(instance_id)
         return worker.proc.pid if worker else None
+
+    def warm(self) -> list[tuple[int, str]]:
+        """The pre-warmed workers ready now: (pid, URL) each."""
+        return [(w.proc.pid, w.url) for w in self._warm]
 
     # ----- reports --------------------------------------------------------------------------------
 
@@ -273,6 +318,7 @@ class NodeAgent:
                 "sessions": stats["sessions"],
                 "models": {m: v["resident_bytes"] for m, v in stats["models"].items()},
                 "warm_workers": len(self._warm),
+                **self._backoff.report(),
             }
             out[self.device_id(device)] = record
             if self._report is not None:
@@ -281,30 +327,47 @@ class NodeAgent:
 
     # ----- pre-warmed workers -----------------------------------------------------------------------
 
-    def _spawn_in_background(self, delay_s: float = 0.0) -> None:
+    def _spawn_in_background(self, delay_s: float = 0.0, backoff_s: float = 0.0) -> None:
         self._pending_spawns += 1
-        task = asyncio.create_task(self._spawn(delay_s))
+        task = asyncio.create_task(self._spawn(delay_s, backoff_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _spawn(self, delay_s: float = 0.0) -> None:
+    async def _spawn(self, delay_s: float = 0.0, backoff_s: float = 0.0) -> None:
+        """Start one pre-warmed worker after ``backoff_s`` (always waited) and ``delay_s``
+        (cut short when a launch waits); a failed start is retried with backoff while fewer
+        than ``prewarm`` workers are ready or starting."""
         worker: _Worker | None = None
+        retry_in: float | None = None
         try:
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
             if delay_s:  # cut short when a request is already waiting for a worker
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._urgent.wait(), delay_s)
             preloaded = set(self._templates)
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
-                await self._http.post(f"{worker.url}/_ember/preload", json={"model_dir": model_dir})
+                resp = await self._http.post(
+                    f"{worker.url}/_ember/preload", json={"model_dir": model_dir}, headers=worker.headers
+                )
+                if resp.status_code != 200:
+                    raise LaunchError(f"the worker could not preload {model_dir}: {_error_message(resp)}")
         except Exception as exc:  # a worker that is not fully ready must not linger
             if worker is not None:
                 await self._terminate(worker)
-            self.spawn_errors.append(f"{type(exc).__name__}: {exc}")
-            return
+            error = f"{type(exc).__name__}: {exc}"
+            self.spawn_errors = [*self.spawn_errors[-7:], error]
+            retry_in = self._backoff.failed(error)
+            self._warm_ready.set()  # a waiting launch re-checks, and fails fast while backing off
         finally:
             self._pending_spawns -= 1
+        if retry_in is not None:
+            if len(self._warm) + self._pending_spawns < self.config.prewarm:
+                self._spawn_in_background(backoff_s=retry_in)
+            return
         assert worker is not None
+        self._backoff.succeeded()
         self._warm.append(worker)
         self._warm_ready.set()
 
@@ -315,16 +378,23 @@ class NodeAgent:
             args += ["--preload", model_dir]
         for pool in self.pools.values():
             args += ["--premap", pool.socket_path]
+        args += ["--max-body-bytes", str(self.config.worker_max_body_bytes)]
+        token = new_token()
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
                 *args,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
+                env=worker_environment(os.environ),  # function code inherits no secret
             )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
         try:
+            with contextlib.suppress(OSError):  # a worker that died at once: reported below
+                proc.stdin.write(f"{token}\n".encode())  # not argv/env: /proc shows those
+                await proc.stdin.drain()
+                proc.stdin.close()
             line = await asyncio.wait_for(proc.stdout.readline(), self.config.worker_start_timeout_s)
         except TimeoutError:
             line = b""
@@ -337,7 +407,7 @@ class NodeAgent:
             tail = log_path.read_text(errors="replace")[-2000:]
             raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
         ready = json.loads(line)
-        return _Worker(proc, str(ready["url"]), log_path)
+        return _Worker(proc, str(ready["url"]), log_path, token)
 
     async def _take_warm(self) -> _Worker:
         deadline = time.monotonic() + self.config.worker_start_timeout_s
@@ -348,6 +418,13 @@ class NodeAgent:
                     self._urgent.clear()
                     return worker
             self._urgent.set()
+            backoff = self._backoff
+            # Starts keep failing (not a one-off) and none is under way: say so now, not at the deadline.
+            if backoff.failures >= 2 and backoff.remaining_s() > 0 and not self._spawning:
+                raise LaunchError(
+                    f"pre-warmed workers keep failing to start ({backoff.failures} in a row, next try "
+                    f"in {backoff.remaining_s():.1f} s): {backoff.last_error}"
+                )
             if self._pending_spawns == 0:
                 self._spawn_in_background()
             for pid in list(self._spawning):  # a request waits: no more idle-priority start-up

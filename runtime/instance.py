@@ -10,6 +10,7 @@ view, engine, with the time of each step recorded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,14 @@ from typing import Any
 from runtime.chat import ChatTemplate, ChatTemplateError
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
-from runtime.openai_api import ChatRequest, Completion, CompletionRequest, RequestError, sampling_params
+from runtime.openai_api import (
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    RequestError,
+    check_prompt_chars,
+    sampling_params,
+)
 from runtime.registry import RegisteredModel, load
 
 
@@ -113,6 +121,20 @@ class ModelBinding:
 
     def params(self, request: ChatRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
         return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default)
+
+    async def prepare(self, request: ChatRequest | CompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Token ids and sampling parameters of ``request``, or :class:`RequestError`.
+
+        A prompt far beyond the context is rejected before tokenizing (by its length in
+        characters), and tokenizing runs in a thread: the event loop keeps serving.
+        """
+        if isinstance(request, ChatRequest):
+            chars = sum(len(m.content) for m in request.messages)
+        else:
+            chars = len(request.prompt)
+        check_prompt_chars(chars, self.engine.max_context)
+        ids = await asyncio.to_thread(self.encode, request)
+        return ids, self.params(request, len(ids))
 
     async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
         """Run one request to completion."""

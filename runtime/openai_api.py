@@ -2,23 +2,64 @@
 
 Kept apart from the worker's lifecycle so the SDK (``context.model``) and the HTTP routes
 share one definition of what a valid request is and how a completion is reported.
+
+OpenAI fields Ember does not implement (``n`` other than 1, ``logprobs``, ``tools``, ...) are
+answered 400 naming the field rather than silently ignored; ``max_completion_tokens`` is
+``max_tokens`` under its newer name (it wins when both are given). A request's ``max_tokens``
+is clamped to the function's ``maxTokens``.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 from runtime.engine.engine import StepOutput
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import RequestFailed
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
+# A prompt longer than this many characters per context token cannot fit (no tokenizer packs
+# more than a few characters in a token): rejected before it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _is_default(default: object) -> Callable[[Any], bool]:
+    return lambda value: value is None or bool(value == default)
+
+
+# OpenAI request fields Ember does not implement, with the values that mean "not used".
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": _is_default(1),
+    "best_of": _is_default(1),
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": _is_default(0),
+    "echo": lambda v: v is None or v is False,
+    "suffix": _is_default(""),
+    "logit_bias": lambda v: v is None or v == {},
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "tool_choice": _is_default("none"),
+    "function_call": _is_default("none"),
+    "parallel_tool_calls": lambda v: True,  # meaningless without tools
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _is_default(None),
+    "prediction": _is_default(None),
+}
 
 
 class RequestError(Exception):
@@ -47,6 +88,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
@@ -54,6 +96,12 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: StrictBool = False
+
+    @model_validator(mode="after")
+    def _alias(self) -> SamplingFields:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class ChatRequest(SamplingFields):
@@ -65,7 +113,12 @@ class CompletionRequest(SamplingFields):
 
 
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
-    """Validate a request body; :class:`RequestError` names the first bad field."""
+    """Validate a request body; :class:`RequestError` names the first bad field (or the
+    first field Ember does not implement)."""
+    if isinstance(body, dict):
+        for name, unused in UNSUPPORTED.items():
+            if name in body and not unused(body[name]):
+                raise RequestError(f"{name}: Ember does not implement this field yet")
     try:
         return ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -74,10 +127,24 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
         raise RequestError(f"{where}: {first['msg']}") from None
 
 
+def check_prompt_chars(chars: int, max_context: int) -> None:
+    """:class:`RequestError` for a prompt of ``chars`` characters that cannot fit a context of
+    ``max_context`` tokens whatever it tokenizes to (checked before tokenizing it)."""
+    if chars > max_context * MAX_CHARS_PER_TOKEN:
+        raise RequestError(
+            f"the prompt has {chars} characters, far more than fit the model's context of "
+            f"{max_context} tokens"
+        )
+
+
 def sampling_params(
     request: SamplingFields, prompt_len: int, max_context: int, default_max: int
 ) -> SamplingParams:
-    """Sampling parameters for a prompt of ``prompt_len`` tokens, or :class:`RequestError`."""
+    """Sampling parameters for a prompt of ``prompt_len`` tokens, or :class:`RequestError`.
+
+    ``default_max`` is the function's ``maxTokens``: the default and the cap of ``max_tokens``
+    (a request asking for more than the context holds is still an error).
+    """
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     if prompt_len >= max_context:
         raise RequestError(
@@ -90,6 +157,7 @@ def sampling_params(
             f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it exceeds the model's "
             f"context of {max_context} tokens"
         )
+    max_tokens = min(max_tokens, default_max)
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -9,6 +9,10 @@ its static initializer. It then serves OpenAI-compatible ``/v1/chat/completions`
 ``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke`` (the function's handler).
 On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
 so the weights stay resident, inactive, for the next instance.
+
+Every route but ``/healthz`` requires the worker's own credential and bodies are bounded
+(:mod:`runtime.worker_guard`). Prompts are tokenized off the event loop, and ones far beyond
+the context are rejected before tokenizing (:meth:`ModelBinding.prepare`).
 """
 
 from __future__ import annotations
@@ -39,8 +43,14 @@ from runtime.openai_api import (
 from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
+from runtime.worker_guard import GuardConfig, WorkerGuard
 
 DEFAULT_HANDLER = "default"
+# Idle keep-alive of the worker's connections (s): longer than the gateway's pool keeps an
+# idle connection (gateway.proxy, 30 s), so the gateway never sends a request on a
+# connection the worker has just closed (such a request could not be told apart from one
+# the worker received and then failed on, and is never re-sent).
+KEEP_ALIVE_S = 75
 
 
 @dataclass
@@ -90,6 +100,14 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
+async def _json(raw: Request) -> Any:
+    """The request's JSON body, or a 400 response (invalid or too deeply nested JSON)."""
+    try:
+        return json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+
+
 def _failed(exc: RequestFailed) -> JSONResponse:
     """No KV room is a 503 (retry later); an engine failure is a 500 (a bug, logged)."""
     return _error(503 if isinstance(exc, KVCacheExhausted) else 500, exc.code, str(exc))
@@ -135,7 +153,8 @@ async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(state: WorkerState) -> FastAPI:
-    """The FastAPI app of a worker (pre-warmed until assigned)."""
+    """The FastAPI app of a worker (pre-warmed until assigned); :func:`serve` wraps it in
+    :class:`WorkerGuard`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -163,10 +182,10 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/_ember/preload")
     async def preload(raw: Request) -> Any:
-        body = await raw.json()
         try:
+            body = await raw.json()
             await asyncio.to_thread(state.template, str(body["model_dir"]), True)
-        except (KeyError, EmberRuntimeError, OSError) as exc:
+        except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "preload_failed", f"{type(exc).__name__}: {exc}")
         return {"templates": sorted(state.templates)}
 
@@ -176,7 +195,7 @@ def build_app(state: WorkerState) -> FastAPI:
         its instances: oversubscribed OpenMP threads spin against each other)."""
         import torch
 
-        body = await raw.json()
+        body = await _json(raw)
         n = body.get("num_threads") if isinstance(body, dict) else None
         if not isinstance(n, int) or n < 1:
             return _error(400, "invalid_request_error", "num_threads must be a positive integer")
@@ -206,14 +225,12 @@ def build_app(state: WorkerState) -> FastAPI:
         if isinstance(a, JSONResponse):
             return a
         if body is None:
-            try:
-                body = await raw.json()
-            except json.JSONDecodeError as exc:
-                return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+            body = await _json(raw)
+            if isinstance(body, JSONResponse):
+                return body
         try:
             request = parse_request(body, chat)
-            ids = a.binding.encode(request)
-            params = a.binding.params(request, len(ids))
+            ids, params = await a.binding.prepare(request)
         except RequestError as exc:
             return _error(400, "invalid_request_error", str(exc))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -240,10 +257,9 @@ def build_app(state: WorkerState) -> FastAPI:
         a = serving()
         if isinstance(a, JSONResponse):
             return a
-        try:
-            event = await raw.json()
-        except json.JSONDecodeError as exc:
-            return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+        event = await _json(raw)
+        if isinstance(event, JSONResponse):
+            return event
         if a.runner is None:  # the default handler: an event is a chat or a completion request
             if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
                 return _error(
@@ -280,13 +296,20 @@ def serve(
     preload: list[str] | None = None,
     assignment: dict[str, Any] | None = None,
     premap: list[str] | None = None,
+    guard: GuardConfig | None = None,
+    show_token: bool = False,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
     ``preload`` lists model directories whose templates are loaded before readiness;
     ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness;
     ``premap`` lists pool sockets whose arenas are mapped and pre-faulted before readiness.
+    ``guard`` holds the worker's credential and body bound (required: a worker never serves
+    without one); ``show_token`` adds the credential to the readiness line (for a worker
+    started from the CLI, whose caller did not choose it).
     """
+    if guard is None:
+        raise ValueError("a worker needs a GuardConfig (its credential)")
     import logging
     import os
     import socket
@@ -310,7 +333,12 @@ def serve(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="on"))
+    app = WorkerGuard(build_app(state), guard)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S)
+    server = uvicorn.Server(config)
+    ready: dict[str, Any] = {"event": "ready", "url": url, "pid": os.getpid()}
+    if show_token:
+        ready["token"] = guard.token
 
     async def main() -> None:
         if assignment is not None:
@@ -320,7 +348,7 @@ def serve(
             if task.done():
                 await task
             await asyncio.sleep(0.005)
-        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+        print(json.dumps(ready), flush=True)
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # later prints go to the log, not the pipe
         await task
 

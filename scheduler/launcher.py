@@ -26,6 +26,10 @@ class StartedInstance(Protocol):
     def timings_ms(self) -> Mapping[str, float]: ...
     @property
     def log_path(self) -> str: ...
+    @property
+    def token(self) -> str:
+        """The instance's credential: requests to ``url`` must carry it."""
+        ...
 
 
 class BaseLauncher(Protocol):

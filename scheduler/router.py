@@ -81,6 +81,7 @@ class Route(NamedTuple):
     url: str
     cold: bool  # the request waited for an instance to start
     waited_s: float
+    token: str = ""  # the instance's credential: every request to ``url`` carries it
 
 
 @dataclass(eq=False, slots=True)
@@ -130,11 +131,11 @@ class Router:
             return leased
         scaling = record["spec"]["spec"]["scaling"]
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
-            hit = self.state.acquire(name, scaling["concurrency"], retry=False)
+            hit = self.state.acquire_slot(name, scaling["concurrency"], retry=False)
         except StateUnavailable:  # Redis restarting: retry in a thread, off the event loop
-            hit = await asyncio.to_thread(self.state.acquire, name, scaling["concurrency"])
+            hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
         if hit is not None:
-            return Route(hit[0], hit[1], False, 0.0)
+            return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
         t0 = time.monotonic()
         asked = time.time()
         self._waiting[name] = self._waiting.get(name, 0) + 1
@@ -142,10 +143,10 @@ class Router:
             while True:
                 leased = self._take_lease(name)  # a request on this gateway just finished
                 if leased is not None:
-                    return Route(leased.instance_id, leased.url, True, time.monotonic() - t0)
-                hit = await asyncio.to_thread(self.state.acquire, name, scaling["concurrency"])
+                    return leased._replace(cold=True, waited_s=time.monotonic() - t0)
+                hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
                 if hit is not None:
-                    return Route(hit[0], hit[1], True, time.monotonic() - t0)
+                    return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
                 failed = self._start_errors.get(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
@@ -301,7 +302,7 @@ class Router:
         try:
             await asyncio.to_thread(
                 self.state.transition, instance_id, "starting", "ready",
-                url=started.url, deadline=time.time() + keep_alive, pid=started.pid,
+                url=started.url, token=started.token, deadline=time.time() + keep_alive, pid=started.pid,
                 bytes_loaded=started.bytes_loaded, bytes_reused=started.bytes_reused,
                 start_ms=round(start_ms, 3), log=started.log_path,
             )  # fmt: skip

@@ -10,7 +10,7 @@ Keys (``prefix`` defaults to ``ember:``)::
 
     {p}functions              hash  name -> {"v": 1, "spec": {...}, "model": {...} | null, "updated": t}
     {p}fn:{name}:instances    set   instance ids of a function
-    {p}instance:{id}          hash  function, state, device, url, in_flight, deadline, created
+    {p}instance:{id}          hash  function, state, device, url, token, in_flight, deadline, created
     {p}device:{id}            string {"v": 1, ...pool report..., "updated": t}
     {p}instance_seq           counter for instance ids
 """
@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -34,7 +34,10 @@ LIVE_STATES = ("starting", "ready")
 STATES = ("starting", "ready", "draining", "gone")
 
 _T = TypeVar("_T")
-_INSTANCE_FIELDS = frozenset({"v", "function", "state", "device", "url", "in_flight", "deadline", "created"})
+# "token" is the worker's credential: routing returns it, it is never shown (not in details).
+_INSTANCE_FIELDS = frozenset(
+    {"v", "function", "state", "device", "url", "token", "in_flight", "deadline", "created"}
+)
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
 # ARGV: desired, function, device, now, prefix. Returns the new id or false.
@@ -61,20 +64,20 @@ return 1
 """
 
 # Route a request: the ready instance with the fewest in flight below ARGV[2]. KEYS: fn set.
-# ARGV: prefix, concurrency. Returns {id, url} or false.
+# ARGV: prefix, concurrency. Returns {id, url, token} or false ('' for no token).
 _ACQUIRE = """
-local best, best_n, best_url = nil, nil, nil
+local best, best_n, best_url, best_token = nil, nil, nil, nil
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[1] .. 'instance:' .. id
-  local f = redis.call('HMGET', key, 'state', 'in_flight', 'url')
+  local f = redis.call('HMGET', key, 'state', 'in_flight', 'url', 'token')
   local n = tonumber(f[2])
   if f[1] == 'ready' and n < tonumber(ARGV[2]) and (best_n == nil or n < best_n) then
-    best, best_n, best_url = id, n, f[3]
+    best, best_n, best_url, best_token = id, n, f[3], f[4] or ''
   end
 end
 if best == nil then return false end
 redis.call('HINCRBY', ARGV[1] .. 'instance:' .. best, 'in_flight', 1)
-return {best, best_url}
+return {best, best_url, best_token}
 """
 
 # A request finished on KEYS[1]; ARGV: keep-alive deadline to set when it goes idle.
@@ -113,6 +116,14 @@ for _, id in ipairs(idle) do
 end
 return out
 """
+
+
+class Slot(NamedTuple):
+    """A routed request's instance: its id, URL and credential (sent with every request)."""
+
+    instance_id: str
+    url: str
+    token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +254,14 @@ class ClusterState:
 
     def acquire(self, function: str, concurrency: int, retry: bool = True) -> tuple[str, str] | None:
         """Route one request: (instance id, url) of the least loaded ready instance, or None."""
+        slot = self.acquire_slot(function, concurrency, retry)
+        return (slot.instance_id, slot.url) if slot else None
+
+    def acquire_slot(self, function: str, concurrency: int, retry: bool = True) -> Slot | None:
+        """:meth:`acquire` with the instance's credential: what the gateway routes with."""
         keys = [f"{self.p}fn:{function}:instances"]
         result = self._once_or_retry(lambda: self._acquire(keys=keys, args=[self.p, concurrency]), retry)
-        return (str(result[0]), str(result[1])) if result else None
+        return Slot(str(result[0]), str(result[1]), str(result[2])) if result else None
 
     def release(
         self, instance_id: str, keep_alive_s: float, now: float | None = None, retry: bool = True

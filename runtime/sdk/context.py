@@ -62,8 +62,8 @@ class LLM:
         return self._block(self.achat(messages, **sampling))
 
     async def _run(self, request: ChatRequest | CompletionRequest) -> Completion:
-        ids = self._binding.encode(request)
-        return await self._binding.complete(ids, self._binding.params(request, len(ids)))
+        ids, params = await self._binding.prepare(request)
+        return await self._binding.complete(ids, params)
 
     def _block(self, coro: Any) -> Completion:
         if threading.get_ident() == self._loop_thread:

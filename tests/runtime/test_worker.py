@@ -13,6 +13,7 @@ import pytest
 
 from gpu_pool.client import PoolClient
 from runtime.registry import RegisteredModel, register
+from runtime.worker_guard import TOKEN_HEADER
 from tests.conftest import PoolProcess
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
@@ -27,7 +28,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
 
 
 @pytest.fixture
-def served(tiny: RegisteredModel, tmp_path: Path) -> Iterator[tuple[str, PoolProcess]]:
+def served(tiny: RegisteredModel, tmp_path: Path) -> Iterator[tuple[str, PoolProcess, dict[str, str]]]:
     pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.store_path,))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "worker", "--name", "tiny", "--model-dir", str(tiny.directory),
@@ -38,22 +39,23 @@ def served(tiny: RegisteredModel, tmp_path: Path) -> Iterator[tuple[str, PoolPro
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
-        yield json.loads(line)["url"], pool
+        ready = json.loads(line)
+        yield ready["url"], pool, {TOKEN_HEADER: ready["token"]}  # the worker's credential
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
         pool.stop()
 
 
-def test_chat_completion_plain_and_streaming(served: tuple[str, PoolProcess]) -> None:
-    url, pool = served
+def test_chat_completion_plain_and_streaming(served: tuple[str, PoolProcess, dict[str, str]]) -> None:
+    url, pool, auth = served
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 8,
         "temperature": 0,
     }
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
         assert http.get("/healthz").json()["status"] == "ok"
         plain = http.post("/v1/chat/completions", json=body).json()
         assert plain["object"] == "chat.completion" and plain["usage"]["completion_tokens"] >= 1
@@ -87,10 +89,12 @@ def test_chat_completion_plain_and_streaming(served: tuple[str, PoolProcess]) ->
         ({"prompt": ""}, "empty"),
     ],
 )
-def test_bad_requests_are_400s(served: tuple[str, PoolProcess], body: dict[str, object], needle: str) -> None:
-    url, _ = served
+def test_bad_requests_are_400s(
+    served: tuple[str, PoolProcess, dict[str, str]], body: dict[str, object], needle: str
+) -> None:
+    url, _, auth = served
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
         resp = http.post(path, json=body)
         assert resp.status_code == 400
         assert needle in resp.json()["error"]["message"]

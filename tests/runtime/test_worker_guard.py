@@ -1,0 +1,127 @@
+"""A worker's front door (issue 10): its credential, the body bound, prompts far beyond the
+context, OpenAI fields Ember does not implement, and ``max_tokens`` capped by ``maxTokens``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.openai_api import RequestError, parse_request, sampling_params
+from runtime.registry import RegisteredModel, register
+from runtime.worker_guard import TOKEN_HEADER
+from tests.conftest import PoolProcess
+from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+
+pytestmark = pytest.mark.slow
+
+MAX_BODY = 64 << 10  # the worker's bound in these tests (bytes)
+CONTEXT = 256  # the tiny model's context (tokens)
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """``ember worker`` serving the tiny model; (URL, credential) from its readiness line."""
+    root = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
+    tiny: RegisteredModel = register(str(root / "tiny.gguf"), "float32", home=root / "home")
+    pool = PoolProcess(root / "pool.sock", "8MiB", store=(tiny.store_path,))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "worker", "--name", "tiny", "--model-dir", str(tiny.directory),
+         "--pool-socket", pool.socket_path, "--max-body-bytes", str(MAX_BODY)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        ready = json.loads(line)
+        yield ready["url"], ready["token"]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+        pool.stop()
+
+
+def test_every_route_but_healthz_needs_the_credential(worker: tuple[str, str]) -> None:
+    url, token = worker
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/healthz").json()["status"] == "ok"
+        routes = ["/invoke", "/v1/chat/completions", "/v1/completions", "/_ember/assign", "/_ember/preload",
+                  "/_ember/threads"]  # fmt: skip
+        for path in routes:
+            for headers in ({}, {TOKEN_HEADER: "x" * len(token)}, {TOKEN_HEADER: token[:-1]}):
+                resp = http.post(path, json={**CHAT, "num_threads": 1, "model_dir": "/"}, headers=headers)
+                assert resp.status_code == 401, (path, resp.text)
+                assert resp.json()["error"]["type"] == "unauthorized"
+        ok = http.post("/v1/chat/completions", json=CHAT, headers={TOKEN_HEADER: token})
+        assert ok.status_code == 200, ok.text
+
+
+def test_oversized_bodies_are_413_before_buffering(worker: tuple[str, str]) -> None:
+    url, token = worker
+    big = json.dumps({"prompt": "a" * (MAX_BODY + 1)}).encode()
+    with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
+        resp = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert resp.status_code == 413 and resp.json()["error"]["type"] == "request_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the worker counts as it reads
+            for i in range(0, len(big), 4096):
+                yield big[i : i + 4096]
+
+        chunked = http.post("/invoke", content=chunks(), headers={"content-type": "application/json"})
+        assert chunked.status_code == 413
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
+
+
+def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: tuple[str, str]) -> None:
+    url, token = worker
+    prompt = "word " * (CONTEXT * 32 // 5 + 1)  # under the body bound, over 32 characters a token
+    with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
+        t0 = time.perf_counter()
+        resp = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert resp.status_code == 400
+        message = resp.json()["error"]["message"]
+        assert "characters" in message and f"context of {CONTEXT} tokens" in message
+        assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n", 2), ("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
+     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}),
+     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("echo", True), ("best_of", 3),
+     ("suffix", "!")],
+)  # fmt: skip
+def test_unimplemented_openai_fields_are_400s_naming_the_field(
+    worker: tuple[str, str], field: str, value: object
+) -> None:
+    url, token = worker
+    with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
+        resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"].startswith(f"{field}:")
+        harmless = {"n": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "logprobs": False}
+        assert http.post("/v1/chat/completions", json={**CHAT, **harmless}).status_code == 200
+
+
+def test_max_completion_tokens_is_max_tokens_and_wins() -> None:
+    both = parse_request({"prompt": "x", "max_tokens": 50, "max_completion_tokens": 3}, chat=False)
+    assert both.max_tokens == 3
+    with pytest.raises(RequestError, match="max_completion_tokens"):
+        parse_request({"prompt": "x", "max_completion_tokens": 0}, chat=False)
+
+
+def test_max_tokens_is_capped_by_the_functions_max_tokens() -> None:
+    request = parse_request({"prompt": "x", "max_tokens": 500}, chat=False)
+    params = sampling_params(request, prompt_len=10, max_context=1000, default_max=64)
+    assert params.max_tokens == 64
+    with pytest.raises(RequestError, match="context"):  # beyond the context is still an error
+        sampling_params(parse_request({"prompt": "x", "max_tokens": 5000}, chat=False), 10, 1000, 64)
