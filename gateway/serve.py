@@ -27,6 +27,8 @@ from typing import Any
 import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
+from gateway.http_server import server_config
+from gateway.limits import EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
 
@@ -105,7 +107,9 @@ async def serve(config: ServeConfig) -> None:
     api_key = config.api_key
     if api_key is None and not config.loopback:
         api_key = secrets.token_urlsafe(24)
-    gateway_config = GatewayConfig(api_key=api_key, logs_dir=config.home / "logs")
+    gateway_config = GatewayConfig(
+        api_key=api_key, logs_dir=config.home / "logs", limits=EdgeLimits.from_env()
+    )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
     # take over its Redis socket. The lock goes away with this process, however it ends.
@@ -162,7 +166,9 @@ async def serve(config: ServeConfig) -> None:
         host = f"[{config.host}]" if ":" in config.host else config.host
         url = f"http://{host}:{sock.getsockname()[1]}"
         server = _Server(
-            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+            server_config(
+                app, gateway_config.limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+            )
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up below
