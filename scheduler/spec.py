@@ -78,12 +78,16 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    source: str = Field(max_length=MAX_TEXT)
+    source: str
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     @field_validator("source")
     @classmethod
     def _check_source(cls, source: str) -> str:
+        # Here, not Field(max_length=...): pydantic-core then rejects a lone surrogate as
+        # "not a valid string" before the gateway can name the unregistrable source.
+        if len(source) > MAX_TEXT:
+            raise ValueError(f"source must be at most {MAX_TEXT} characters")
         if not _SOURCE.match(source):
             forms = "gguf:/path, safetensors:/dir, pkg:PACKAGE/RESOURCE or an absolute path"
             raise ValueError(f"source {source!r} must be {forms}")
@@ -110,7 +114,7 @@ class SloSpec(_Strict):
 
 class FunctionBody(_Strict):
     model: ModelSpec
-    handler: str = Field("default", max_length=MAX_TEXT)
+    handler: str = "default"
     init: Literal["static", "dynamic"] = "static"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
@@ -121,6 +125,8 @@ class FunctionBody(_Strict):
     @field_validator("handler")
     @classmethod
     def _check_handler(cls, handler: str) -> str:
+        if len(handler) > MAX_TEXT:
+            raise ValueError(f"handler must be at most {MAX_TEXT} characters")
         if not _HANDLER.match(handler):
             raise ValueError(f"handler {handler!r} must be 'default' or 'module.py:function'")
         return handler
