@@ -3,18 +3,20 @@
 Functions are deployed from YAML or JSON (validated against the function spec, defaults
 filled in, the model registered) into the cluster state in Redis. Invocations go through
 :class:`gateway.proxy.Invoker` to an instance chosen by the scheduler's router. Every error
-is a JSON ``{"error": {"type", "message"}}`` mapped to its HTTP status in one place
-(:data:`ERROR_STATUS`): 4xx for client mistakes; 503 (with ``Retry-After``) when a request
-is rejected early or Redis is away; 502 when an instance fails. An API key, when
-configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``:
+is a JSON ``{"error": {"type", "message"}}``: its HTTP status comes from one table
+(:data:`ERROR_STATUS`), its ``type`` from the error class's ``code``. 4xx for client
+mistakes; 503 (with ``Retry-After``) when a request is rejected early or Redis is away or
+cannot write; 502 when an instance fails. An API key, when configured, is required as
+``Authorization: Bearer KEY`` on every route but ``/healthz`` (documentation included):
 the gateway's own key is the admin's, tenant keys see only their namespace's functions
 (:mod:`gateway.tenants`; an admin picks a namespace with ``?namespace=``).
+Request bodies are bounded in size and read time (:mod:`gateway.limits`); JSON and YAML
+are parsed with depth bounds, specs off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -30,40 +32,58 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Receive, Scope
 
+from gateway.docs import NO_OPEN_DOCS, keyed_docs
 from gateway.fastpath import InvocationFastPath, read_body
 from gateway.function_code import FunctionCodeConfig, split_upload, store_handler
+from gateway.limits import BodyLimits, BodyTimeout, BodyTooLarge, EdgeError, EdgeLimits, JSONError, load_json
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
 from gateway.tenants import Authenticator, Forbidden, Principal, TenantKeys, tenant_routes
 from scheduler import names
-from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
+from scheduler.errors import (
+    FunctionNotFound,
+    SchedulerError,
+    StateConflict,
+    StateNotWritable,
+    StateUnavailable,
+)
 from scheduler.router import Rejected, Router, StartFailed
-from scheduler.spec import SpecError, parse_function, parse_function_yaml
+from scheduler.spec import FunctionSpec, SpecError, parse_function, parse_function_yaml
 from scheduler.state import ClusterState
 
 
 class Unauthorized(Exception):
     """Missing or wrong API key."""
 
+    code = "authentication_error"
+
 
 class ModelSourceError(Exception):
     """The function's model source cannot be registered (HTTP 400 naming spec.model.source)."""
 
+    code = "invalid_model_source"
 
-ERROR_STATUS: dict[type[Exception], tuple[int, str]] = {
-    SpecError: (400, "invalid_function_spec"),
-    ModelSourceError: (400, "invalid_model_source"),
-    BadRequest: (400, "invalid_request_error"),
-    RequestValidationError: (400, "invalid_request_error"),
-    Unauthorized: (401, "authentication_error"),
-    Forbidden: (403, "permission_denied"),
-    FunctionNotFound: (404, "function_not_found"),
-    StateConflict: (409, "conflict"),
-    InvocationError: (502, "instance_failed"),
-    Rejected: (503, "rejected"),
-    StartFailed: (503, "instance_start_failed"),
-    StateUnavailable: (503, "state_unavailable"),
+
+# Error class -> HTTP status, first match wins; the wire ``type`` is the class's ``code``.
+# FastAPI's RequestValidationError is answered as an EdgeError (see error() below).
+ERROR_STATUS: dict[type[Exception], int] = {
+    SpecError: 400,
+    ModelSourceError: 400,
+    BadRequest: 400,
+    BodyTimeout: 408,
+    BodyTooLarge: 413,
+    EdgeError: 400,  # JSONError, a malformed query; after its subclasses above
+    Unauthorized: 401,
+    Forbidden: 403,
+    FunctionNotFound: 404,
+    StateConflict: 409,
+    InvocationError: 502,
+    Rejected: 503,
+    StartFailed: 503,
+    StateUnavailable: 503,
+    StateNotWritable: 503,
 }
+RETRY_AFTER_S = 1  # Retry-After of a 503/507 whose error names no delay of its own
 
 # (source, dtype) -> model record {id, dir, weight_bytes}; raises ModelSourceError
 Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
@@ -74,6 +94,7 @@ class GatewayConfig:
     api_key: str | None = None  # required when the gateway listens beyond loopback
     logs_dir: Path | None = None  # where instances' logs are (EMBER_HOME/logs)
     code: FunctionCodeConfig | None = None  # where uploaded handler modules go (None: no custom handlers)
+    limits: EdgeLimits = field(default_factory=EdgeLimits)  # request body size and time caps
 
     def __post_init__(self) -> None:
         if self.api_key is not None and len(self.api_key) < 16:
@@ -97,7 +118,7 @@ log = logging.getLogger("ember.gateway")
 
 # Errors that are the client's or the cluster's, mapped to HTTP without a traceback in the log.
 HANDLED: tuple[type[Exception], ...] = (
-    SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError,
+    SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError, EdgeError,
 )  # fmt: skip
 
 
@@ -121,25 +142,27 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
+    keyed = config.api_key is not None
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **(NO_OPEN_DOCS if keyed else {}))
 
     def error(exc: Exception) -> JSONResponse:
-        status, kind = next(
-            (v for cls, v in ERROR_STATUS.items() if isinstance(exc, cls)), (500, "internal_error")
-        )
-        message = (
-            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            if isinstance(exc, RequestValidationError)
-            else str(exc)
-        )
+        if isinstance(exc, RequestValidationError):
+            exc = EdgeError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        status = next((v for cls, v in ERROR_STATUS.items() if isinstance(exc, cls)), 500)
+        kind = str(getattr(exc, "code", "internal_error")) if status != 500 else "internal_error"
         # Messages may quote input, and JSON's \ud800 escapes can carry lone surrogates, which
         # the response's UTF-8 cannot: escape them rather than fail with a 500.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        headers = (
-            {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))} if isinstance(exc, Rejected) else None
-        )
+        message = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
+        headers: dict[str, str] = {}
+        if status in (503, 507):  # resource exhaustion: always say when to come back
+            headers["retry-after"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", RETRY_AFTER_S))))
+        if isinstance(exc, BodyTooLarge | BodyTimeout):
+            # The rest of the body is never read, so the connection cannot carry another
+            # request: close it. (Every other error is answered after the whole body was
+            # read and keeps the keep-alive connection.)
+            headers["connection"] = "close"
         return JSONResponse(
-            {"error": {"type": kind, "message": message}}, status_code=status, headers=headers
+            {"error": {"type": kind, "message": message}}, status_code=status, headers=headers or None
         )
 
     for cls in HANDLED:
@@ -161,6 +184,8 @@ def create_app(
 
     caller = Depends(authorize)  # who: Principal = caller (a local alias: annotations are strings)
     app.include_router(tenant_routes(authenticator, authorize))
+    if keyed:
+        keyed_docs(app, [caller])
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -168,16 +193,9 @@ def create_app(
 
     @app.post("/v1/functions", status_code=201)
     async def deploy(request: Request, who: Principal = caller) -> dict[str, Any]:
-        raw = (await request.body()).decode("utf-8", errors="replace")
-        files: dict[str, str] = {}
-        if "json" in request.headers.get("content-type", ""):
-            try:
-                data, files = split_upload(json.loads(raw))
-                spec = parse_function(data)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"malformed JSON: {exc}") from None
-        else:
-            spec = parse_function_yaml(raw)
+        raw = (await request.body()).decode("utf-8", errors="replace")  # bounded: BodyLimits
+        # Parsing and validating a spec of up to max_spec_bytes is CPU work: off the event loop.
+        spec, files = await asyncio.to_thread(_parse_spec, raw, request.headers.get("content-type", ""))
         spec = who.place(spec)  # a tenant's own namespace; 403 for another
         function_id = names.qualified(spec.metadata.namespace, spec.name)
         handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
@@ -276,6 +294,7 @@ def create_app(
         }
 
     if serving is None:
+        _limit_bodies(app, config.limits, error)
         return app
     invoker = serving.invoker
 
@@ -290,14 +309,13 @@ def create_app(
         namespace: str | None,
     ) -> Response:  # fmt: skip
         """Relay one invocation; OpenAI routes name the function in the body's ``model``."""
-        if name is None:
-            name = who.model(request_model(body)[0])
-        else:
-            name = who.function(name, namespace)  # before any routing: 404 for another tenant's
-            try:
-                json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"the event is not valid JSON: {exc}") from None
+        try:
+            parsed = load_json(body)  # depth-bounded: a 100k-deep body is a 400, not a RecursionError
+        except JSONError as exc:
+            what = "body" if name is None else "the event"
+            raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+        # Another tenant's function is a 404 like a missing one, before any routing.
+        name = who.model(request_model(parsed)) if name is None else who.function(name, namespace)
         return await invoker.forward(name, path, body, label, timeout)
 
     async def forward(request: Request, path: str, label: str, name: str | None = None) -> Response:
@@ -329,6 +347,7 @@ def create_app(
             return error(exc)
 
     app.add_middleware(InvocationFastPath, forward=fast_forward)
+    _limit_bodies(app, config.limits, error)
 
     @app.post("/v1/functions/{name}/invoke")
     async def invoke(name: str, request: Request) -> Response:
@@ -343,3 +362,25 @@ def create_app(
         return await forward(request, "/v1/completions", "completions")
 
     return app
+
+
+def _limit_bodies(app: FastAPI, limits: EdgeLimits, error: Callable[[Exception], Response]) -> None:
+    """Bound every request body (outermost middleware: the fast path's bodies too)."""
+
+    def cap(scope: Scope) -> int:
+        spec = scope["path"] == "/v1/functions" and scope["method"] == "POST"
+        return limits.max_spec_bytes if spec else limits.max_body_bytes
+
+    app.add_middleware(BodyLimits, limits=limits, cap=cap, render=error)
+
+
+def _parse_spec(raw: str, content_type: str) -> tuple[FunctionSpec, dict[str, str]]:
+    """A function spec from a deploy body, depth-bounded: JSON (by content type, optionally with
+    the handler's uploaded module: :func:`gateway.function_code.split_upload`) or YAML."""
+    if "json" in content_type:
+        try:
+            data, files = split_upload(load_json(raw))
+        except JSONError as exc:
+            raise SpecError(f"malformed JSON: {exc}") from None
+        return parse_function(data), files
+    return parse_function_yaml(raw), {}

@@ -52,7 +52,9 @@ class InvocationFastPath:
 
 
 async def read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None if the client disconnected first."""
+    """The whole request body, or None if the client disconnected first. Bounded in size and
+    time by ``receive`` itself (:class:`gateway.limits.BodyLimits` wraps it): that raises
+    :class:`gateway.limits.BodyTooLarge` or :class:`gateway.limits.BodyTimeout` here."""
     chunks: list[bytes] = []
     while True:
         message = await receive()

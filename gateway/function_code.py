@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.spec import SpecError
 
 HANDLER_ROOTS_ENV = "EMBER_HANDLER_ROOTS"
-MAX_MODULE_BYTES = 1 << 20  # one handler module's UTF-8 source
+MAX_MODULE_BYTES = 256 << 10  # one handler module's UTF-8 source (within the deploy body cap)
 MAX_FILES = 1  # the handler module itself (helpers belong in an installed package)
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}\.py$")
 _TMP_PREFIX = ".tmp-"

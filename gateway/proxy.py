@@ -245,17 +245,14 @@ def _error_type(content: bytes) -> str:
         return "unknown"
 
 
-def request_model(body: bytes) -> tuple[str, Any]:
-    """The function an OpenAI request names in ``model``, or a :class:`SchedulerError` (HTTP 400)."""
-    try:
-        parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+def request_model(parsed: Any) -> str:
+    """The function an OpenAI request (its parsed body) names in ``model``, or a
+    :class:`SchedulerError` (HTTP 400 / 404)."""
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
         raise BadRequest("model: the name of a deployed function is required")
     if not parsed["model"].isascii():  # function names are DNS labels; this also keeps lone surrogates out
         raise FunctionNotFound(f"function {parsed['model']!r} is not deployed")
-    return parsed["model"], parsed
+    return str(parsed["model"])
 
 
 class BadRequest(SchedulerError):

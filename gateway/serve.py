@@ -28,6 +28,8 @@ import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
+from gateway.http_server import server_config
+from gateway.limits import EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
 from gateway.redis_auth import PASSWORD_ENV, with_password
@@ -115,7 +117,10 @@ async def serve(config: ServeConfig) -> None:
     if api_key is None and not config.loopback:
         api_key = secrets.token_urlsafe(24)
     gateway_config = GatewayConfig(
-        api_key=api_key, logs_dir=config.home / "logs", code=FunctionCodeConfig.from_env(config.home)
+        api_key=api_key,
+        logs_dir=config.home / "logs",
+        code=FunctionCodeConfig.from_env(config.home),
+        limits=EdgeLimits.from_env(),
     )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
@@ -173,7 +178,9 @@ async def serve(config: ServeConfig) -> None:
         host = f"[{config.host}]" if ":" in config.host else config.host
         url = f"http://{host}:{sock.getsockname()[1]}"
         server = _Server(
-            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+            server_config(
+                app, gateway_config.limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+            )
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up below

@@ -24,3 +24,21 @@ class StateConflict(SchedulerError):
     """A state transition lost a race (the instance is not in the expected state)."""
 
     code = "state_conflict"
+
+
+class StateNotWritable(SchedulerError):
+    """Redis is up but refuses writes (HTTP 503 with Retry-After): the state store cannot write."""
+
+    code = "state_not_writable"
+
+
+class StateOutOfMemory(StateNotWritable):
+    """Redis reached ``maxmemory`` and evicts nothing (its ``OOM`` error)."""
+
+    code = "state_out_of_memory"
+
+
+class StatePersistenceFailed(StateNotWritable):
+    """Redis cannot persist (its ``MISCONF`` error: a failed background save, a full disk)."""
+
+    code = "state_persistence_failed"

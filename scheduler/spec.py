@@ -30,10 +30,19 @@ _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _SOURCE = re.compile(r"^(gguf:|safetensors:|pkg:[A-Za-z_][\w.]*/.+|/).+")
 MAX_DURATION_S = 7 * 24 * 3600.0
 _HANDLER = re.compile(r"^(default|[\w./-]+\.py:[A-Za-z_]\w*)$")
+# Upper bounds: a spec is input from outside, and the scheduler sizes work by these.
+MAX_SCALE = 256  # instances of one function (minScale, maxScale)
+MAX_CONCURRENCY = 1024  # requests in flight per instance
+MAX_TOKENS = 131072  # tokens per request (maxTokens)
+MAX_TEXT = 4096  # characters in a model source or handler reference
+MAX_YAML_DEPTH = 32  # nesting of a spec document (a valid spec needs 4)
+MAX_YAML_NODES = 10_000  # scalars, lists and mappings, aliases expanded (a spec has < 100)
 
 
 class SpecError(ValueError):
     """A function spec is invalid; the message names the field."""
+
+    code = "invalid_function_spec"
 
 
 def parse_duration(value: Any) -> float:
@@ -76,6 +85,10 @@ class ModelSpec(_Strict):
     @field_validator("source")
     @classmethod
     def _check_source(cls, source: str) -> str:
+        # Here, not Field(max_length=...): pydantic-core then rejects a lone surrogate as
+        # "not a valid string" before the gateway can name the unregistrable source.
+        if len(source) > MAX_TEXT:
+            raise ValueError(f"source must be at most {MAX_TEXT} characters")
         if not _SOURCE.match(source):
             forms = "gguf:/path, safetensors:/dir, pkg:PACKAGE/RESOURCE or an absolute path"
             raise ValueError(f"source {source!r} must be {forms}")
@@ -83,10 +96,10 @@ class ModelSpec(_Strict):
 
 
 class ScalingSpec(_Strict):
-    min_scale: int = Field(0, alias="minScale", ge=0)
-    max_scale: int = Field(4, alias="maxScale", ge=1)
+    min_scale: int = Field(0, alias="minScale", ge=0, le=MAX_SCALE)
+    max_scale: int = Field(4, alias="maxScale", ge=1, le=MAX_SCALE)
     keep_alive: Duration = Field(10.0, alias="keepAlive")
-    concurrency: int = Field(8, ge=1)
+    concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ScalingSpec:
@@ -108,11 +121,13 @@ class FunctionBody(_Strict):
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
     latency_sensitivity: float = Field(1.0, alias="latencySensitivity", gt=0, le=1000, allow_inf_nan=False)
-    max_tokens: int = Field(2048, alias="maxTokens", ge=1)
+    max_tokens: int = Field(2048, alias="maxTokens", ge=1, le=MAX_TOKENS)
 
     @field_validator("handler")
     @classmethod
     def _check_handler(cls, handler: str) -> str:
+        if len(handler) > MAX_TEXT:
+            raise ValueError(f"handler must be at most {MAX_TEXT} characters")
         if not _HANDLER.match(handler):
             raise ValueError(f"handler {handler!r} must be 'default' or 'module.py:function'")
         return handler
@@ -164,9 +179,49 @@ def parse_function(document: Any) -> FunctionSpec:
 
 
 def parse_function_yaml(text: str) -> FunctionSpec:
-    """Parse a YAML (or JSON) function spec."""
+    """Parse a YAML (or JSON) function spec, bounded in nesting (``MAX_YAML_DEPTH``) and in
+    nodes, aliases expanded (``MAX_YAML_NODES``: no "billion laughs"). CPU-bound for large
+    texts: call it off the event loop."""
+    return parse_function(load_yaml(text))
+
+
+def load_yaml(text: str, max_depth: int = MAX_YAML_DEPTH, max_nodes: int = MAX_YAML_NODES) -> Any:
+    """``yaml.safe_load`` with bounds; :class:`SpecError` for malformed or oversized documents."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
     try:
-        document = yaml.safe_load(text)
+        # Events first, one at a time: the composer recurses per level (a deep document would
+        # exhaust the stack), and libyaml's composer holds the GIL for the whole document
+        # (0.3 s for 256 KiB: every other thread, the event loop's included, would wait).
+        depth = nodes = 0
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.NodeEvent):
+                nodes += 1
+                if nodes > max_nodes:
+                    raise SpecError(f"malformed YAML: more than {max_nodes} nodes")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > max_depth:
+                    raise SpecError(f"malformed YAML: nested deeper than {max_depth} levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+        document = yaml.load(text, Loader=loader)  # CSafeLoader or SafeLoader: safe
     except yaml.YAMLError as exc:
         raise SpecError(f"malformed YAML: {exc}") from None
-    return parse_function(document)
+    _check_nodes(document, max_nodes)
+    return document
+
+
+def _check_nodes(document: Any, max_nodes: int) -> None:
+    """SpecError if ``document`` has more than ``max_nodes`` nodes, aliases counted per use
+    (iterative, and stops at the bound: an alias bomb costs ``max_nodes`` steps at most)."""
+    stack, seen = [document], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > max_nodes:
+            raise SpecError(f"malformed YAML: more than {max_nodes} nodes once aliases are expanded")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

@@ -27,7 +27,14 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from scheduler.errors import FunctionNotFound, StateConflict, StateUnavailable
+from scheduler.errors import (
+    FunctionNotFound,
+    StateConflict,
+    StateNotWritable,
+    StateOutOfMemory,
+    StatePersistenceFailed,
+    StateUnavailable,
+)
 
 ENCODING_VERSION = 1
 LIVE_STATES = ("starting", "ready")
@@ -177,6 +184,8 @@ class ClusterState:
             return retrying(fn)()
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            raise _typed(exc) from None
 
     # ----- functions ---------------------------------------------------------------------
 
@@ -251,6 +260,8 @@ class ClusterState:
             return fn()
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            raise _typed(exc) from None
 
     def acquire(self, function: str, concurrency: int, retry: bool = True) -> tuple[str, str] | None:
         """Route one request: (instance id, url) of the least loaded ready instance, or None."""
@@ -318,6 +329,21 @@ class ClusterState:
             if raw is not None:
                 out[k[len(f"{self.p}device:") :]] = _decode(str(raw))
         return out
+
+
+def _typed(exc: redis.exceptions.ResponseError) -> Exception:
+    """The scheduler error for a Redis error reply that is the store's condition, not a bug:
+    OOM (``maxmemory`` reached), MISCONF (a failed save), READONLY (a replica). Other
+    replies (a script or command error) are returned unchanged: they are bugs."""
+    text = str(exc)
+    # Errors raised inside a Lua script arrive wrapped ("... script: ... OOM ..."): match anywhere.
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in text:
+        return StateOutOfMemory(f"state store cannot write: Redis is out of memory ({text})")
+    if "MISCONF" in text:
+        return StatePersistenceFailed(f"state store cannot write: Redis cannot persist ({text})")
+    if isinstance(exc, redis.exceptions.ReadOnlyError) or text.startswith("READONLY"):
+        return StateNotWritable(f"state store cannot write: Redis is a read-only replica ({text})")
+    return exc
 
 
 def _decode(raw: str) -> dict[str, Any]:

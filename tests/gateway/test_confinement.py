@@ -43,7 +43,7 @@ def test_uploaded_handler_runs_and_files_are_owner_only(server: ServeProcess, ht
     created = http.post("/v1/functions", json=body)
     assert created.status_code == 201, created.text
     assert created.json()["spec"]["handler"].startswith(
-        f"{server.home.resolve() / 'functions' / 'summarize'}/"
+        f"{server.home.resolve() / 'functions' / 'default' / 'summarize'}/"
     )
     out = http.post("/v1/functions/summarize/invoke", json={"text": "Cats sleep most of the day."})
     assert out.status_code == 200, out.text

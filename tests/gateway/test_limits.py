@@ -1,0 +1,44 @@
+"""Edge limits: configuration from EMBER_* variables (failing loudly), depth-bounded JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.limits import EdgeLimits, JSONError, load_json
+
+
+def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EdgeLimits.from_env() == EdgeLimits()
+    monkeypatch.setenv("EMBER_MAX_BODY_BYTES", "1024")
+    monkeypatch.setenv("EMBER_BODY_TIMEOUT", "2.5")
+    limits = EdgeLimits.from_env()
+    assert limits.max_body_bytes == 1024 and limits.body_timeout_s == 2.5
+    assert limits.max_spec_bytes == 1 << 20 and limits.header_timeout_s == 10.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("EMBER_MAX_BODY_BYTES", "4MiB"),
+        ("EMBER_MAX_BODY_BYTES", "0"),
+        ("EMBER_MAX_SPEC_BYTES", "-1"),
+        ("EMBER_BODY_TIMEOUT", "soon"),
+        ("EMBER_HEADER_TIMEOUT", "0"),
+        ("EMBER_HEADER_TIMEOUT", "nan"),
+    ],
+)
+def test_bad_limits_fail_loudly(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="EMBER_"):
+        EdgeLimits.from_env()
+
+
+def test_load_json_bounds_depth() -> None:
+    assert load_json(b'{"a": [[1], {"b": 2}]}') == {"a": [[1], {"b": 2}]}
+    assert load_json("[" * 64 + "]" * 64) is not None
+    for deep in (b"[" * 65 + b"]" * 65, b"[" * 100_000, b'{"a":' * 50_000):
+        with pytest.raises(JSONError, match="nested deeper than 64"):
+            load_json(deep)
+    for bad in (b"{", b"\xff", b"[1,]"):
+        with pytest.raises(JSONError):
+            load_json(bad)
