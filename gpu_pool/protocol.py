@@ -16,10 +16,11 @@ from typing import Any
 import msgpack
 
 from gpu_pool.errors import MessageTooLarge, PoolError, ProtocolError, UnknownOp, UnsupportedVersion
+from gpu_pool.messages import MESSAGES
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 300-tensor manifest is ~60 KB; 16 MiB is generous
-OPS = frozenset({"hello", "acquire", "release", "kv_alloc", "kv_free", "stats", "evict"})
+OPS = frozenset(MESSAGES)
 _HEADER = struct.Struct(">I")
 
 
@@ -54,6 +55,19 @@ def error_reply(exc: PoolError, request_id: Any = None) -> dict[str, Any]:
         "ok": False,
         "error": {"type": exc.code, "message": str(exc), **exc.details()},
     }
+
+
+def encode_reply(reply: dict[str, Any]) -> bytes:
+    """``reply`` as a frame; a reply msgpack cannot carry (an integer past 64 bits, say)
+    becomes a typed error reply instead of a dropped connection."""
+    try:
+        return encode(reply)
+    except (OverflowError, ValueError, TypeError) as exc:
+        failure = PoolError(f"internal error: the reply cannot be encoded ({type(exc).__name__}: {exc})")
+        request_id = reply.get("id")
+        if not isinstance(request_id, (int, str, type(None))):
+            request_id = None
+        return encode(error_reply(failure, request_id))
 
 
 def _unpack(body: bytes) -> dict[str, Any]:
