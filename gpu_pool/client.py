@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import mmap
 import os
-import select
 import socket
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool import fdpass
+from gpu_pool import fdpass, mapping
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
-from gpu_pool.manifest import DTYPE_ITEMSIZE, Manifest
+from gpu_pool.manifest import Manifest
 from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
@@ -171,7 +168,10 @@ class PoolClient:
             raise RuntimeError("this client is already watched")
         stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
         thread = threading.Thread(
-            target=_watch, args=(self._sock.fileno(), stop_r, callback), name="ember-pool-watch", daemon=True
+            target=mapping.watch_hangup,
+            args=(self._sock.fileno(), stop_r, callback),
+            name="ember-pool-watch",
+            daemon=True,
         )
         self._watcher = (thread, stop_w)
         thread.start()
@@ -252,18 +252,18 @@ class PoolClient:
         (read-only memory on a CPU pool: weights)."""
         arena = self.arena()
         assert self._storage is not None
-        return _view(self._storage, arena.device, offset, dtype, shape)
+        return mapping.view(self._storage, arena.device, offset, dtype, shape)
 
     def kv_view(self, offset: int, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
         """Like :meth:`view`, over this session's KV memory (``KVBlocks`` offsets)."""
         kv = self.kv_arena()
         assert self._kv_storage is not None
-        return _view(self._kv_storage, kv.device, offset, dtype, shape)
+        return mapping.view(self._kv_storage, kv.device, offset, dtype, shape)
 
     def arena(self) -> torch.Tensor:
         """The whole arena as a 1-D uint8 tensor (mapped on first use, then cached)."""
         if self._arena is None:
-            self._arena = _attach(self.arena_handle, self._fds.get("arena"))
+            self._arena = mapping.attach(self.arena_handle, self._fds.get("arena"))
             self._storage = self._arena.untyped_storage()
             self._close_fd("arena")  # the mapping holds the file
         return self._arena
@@ -283,7 +283,7 @@ class PoolClient:
                 self._fds["kv"] = fds[0]
         if "kv" not in self._fds:
             raise ProtocolError("the pool did not send this session's KV memory")
-        self._kv = _map_memfd(self._fds["kv"], int(self.arena_handle["size"]), writable=True)
+        self._kv = mapping.map_memfd(self._fds["kv"], int(self.arena_handle["size"]), writable=True)
         self._kv_storage = self._kv.untyped_storage()
         self._close_fd("kv")
         return self._kv
@@ -318,72 +318,3 @@ class PoolClient:
             details = {k: v for k, v in err.items() if k not in ("type", "message")}
             raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
         return reply, fds
-
-
-def _attach(handle: dict[str, Any], fd: int | None) -> torch.Tensor:
-    if handle["kind"] == "memfd":
-        if fd is None:
-            raise ProtocolError("the pool sent no arena descriptor with its hello reply")
-        return _map_memfd(fd, int(handle["size"]), writable=False)
-    if handle["kind"] == "cuda_ipc":
-        from gpu_pool.arena_cuda import attach_cuda
-
-        return attach_cuda(handle)
-    raise ProtocolError(f"unknown arena kind {handle['kind']!r}")
-
-
-def _map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
-    """A 1-D uint8 tensor over a shared mapping of the memfd ``fd`` (``size`` bytes)."""
-    import torch
-
-    actual = os.fstat(fd).st_size
-    if actual != size:
-        raise ProtocolError(f"pool memory has {actual} bytes, expected {size}")
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-    with warnings.catch_warnings():
-        # The arena is read-only on purpose (weights); torch warns about exactly that.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        return torch.frombuffer(buf, dtype=torch.uint8)
-
-
-def _view(
-    storage: torch.UntypedStorage,
-    device: torch.device,
-    offset: int,
-    dtype: str,
-    shape: tuple[int, ...] | list[int],
-) -> torch.Tensor:
-    import torch
-
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    assert offset % itemsize == 0, "the pool aligns every region"
-    shape = tuple(shape)
-    t = torch.empty(0, dtype=getattr(torch, dtype), device=device)
-    return t.set_(storage, offset // itemsize, shape, _contiguous_stride(shape))
-
-
-def _watch(sock_fd: int, stop_fd: int, callback: Callable[[], None]) -> None:
-    """Block until the peer hangs up (then call ``callback``) or ``stop_fd`` is readable."""
-    poller = select.poll()
-    poller.register(sock_fd, select.POLLRDHUP | select.POLLHUP)  # not POLLIN: replies are not ours
-    poller.register(stop_fd, select.POLLIN)
-    try:
-        while True:
-            events = dict(poller.poll())
-            if stop_fd in events:
-                return
-            if events.get(sock_fd, 0) & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
-                callback()
-                return
-    finally:
-        os.close(stop_fd)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))

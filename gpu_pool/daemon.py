@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import json
 import logging
@@ -41,22 +40,20 @@ import os
 import signal
 import socket
 import sys
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
-
-import xxhash
 
 from gpu_pool import fdpass, messages
 from gpu_pool.access import AccessControl, Session
 from gpu_pool.arena import BaseArena
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, InvalidArgument, LoadError, MessageTooLarge, OutOfMemory, PoolError
+from gpu_pool.hardening import make_undumpable
 from gpu_pool.kv_memory import SessionKV
 from gpu_pool.manifest import Manifest
+from gpu_pool.manifest_cache import ManifestCache
 from gpu_pool.protocol import (
     PROTOCOL_VERSION,
-    decode_reply,
     decode_request,
     encode,
     encode_reply,
@@ -318,13 +315,14 @@ class PoolDaemon:
         async with self._lock:
             used = sum(b.size for b in self._kv_ranges(self.store.sessions[session.session_id].kv))
             self._access.check_kv_quota(session, used, needed)
+            fds = self._kv_fds(session)  # before allocating: a failure here leaks no blocks
             alloc = self.store.kv_alloc(session.session_id, request.num_blocks, size, request.aligned)
         return {
             "block_ids": list(alloc.block_ids),
             "offsets": list(alloc.offsets),
             "block_bytes": alloc.block_bytes,
             "bytes_evicted": alloc.bytes_evicted,
-        }, self._kv_fds(session)
+        }, fds
 
     async def _on_kv_free(self, session: Session, request: messages.KVFree) -> Reply:
         async with self._lock:
@@ -363,27 +361,6 @@ class PoolDaemon:
                 session.kv.punch(block.offset, block.size)
 
 
-class ManifestCache:
-    """Parsed manifests by the xxh3 of their encoding: a worker fleet sends the same few
-    manifests over and over, and validating ~300 entries costs ~1 ms."""
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Manifest] = OrderedDict()
-
-    def get(self, encoded: bytes) -> Manifest:
-        key = xxhash.xxh3_128_hexdigest(encoded)
-        hit = self._items.get(key)
-        if hit is not None:
-            self._items.move_to_end(key)
-            return hit
-        manifest = Manifest.from_dict(decode_reply(encoded))
-        self._items[key] = manifest
-        if len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-        return manifest
-
-
 def _socket_is_live(path: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
@@ -391,17 +368,6 @@ def _socket_is_live(path: str) -> bool:
         except OSError:
             return False
     return True
-
-
-def make_undumpable() -> None:
-    """``prctl(PR_SET_DUMPABLE, 0)``: processes of the same uid can no longer open
-    ``/proc/<pool>/fd/*`` (the arena's writable path before sealing, every session's KV file),
-    ``/proc/<pool>/mem`` or ``/proc/<pool>/environ``, nor ptrace it; no core dumps either.
-    This does not stop root (CAP_SYS_PTRACE): isolation from root is not a goal."""
-    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols include libc's
-    pr_set_dumpable = 4
-    if libc.prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
-        raise ConfigError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(ctypes.get_errno())}")
 
 
 def run(config: PoolConfig) -> int:
