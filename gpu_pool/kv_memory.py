@@ -11,8 +11,11 @@ those blocks; the arena's own bytes under a KV region are never written.
 Only written pages use memory. When blocks are freed (``kv_free``, ``release``) the daemon
 punches their ranges out (``fallocate(PUNCH_HOLE)``), so the memory goes back at once and a
 later block at the same offset starts as zeros; closing the session punches the whole file.
-The file is sealed against resizing; a session can still dirty pages outside its blocks (up
-to the arena's size): bound a worker's memory with its cgroup, not with the KV quota.
+Cost: the arena's own pages under a KV region stay allocated (a sealed arena cannot be
+punched), so on a CPU pool KV bytes in use count twice, once in the (pre-faulted) arena and
+once in the session's file. The file is sealed against resizing; a session can still dirty
+pages outside its blocks (up to the arena's size): bound a worker's memory with its cgroup,
+not with the KV quota.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A frame is a 4-byte big-endian unsigned length followed by that many bytes of msgpack.
 Every request is a map with ``v`` (protocol version), ``op`` and an ``id`` the reply
 echoes. Replies carry ``ok``; failures carry ``error: {type, message, ...details}`` where
-``type`` is a :class:`gpu_pool.errors.PoolError` code. Never pickle.
+``type`` is a :class:`gpu_pool.errors.PoolError` code. A reply with ``fds: N`` is followed on
+the stream by one marker byte carrying N descriptors (``SCM_RIGHTS``, :mod:`gpu_pool.fdpass`).
+Requests are validated into typed messages by :mod:`gpu_pool.messages`. Never pickle.
 """
 
 from __future__ import annotations
