@@ -82,7 +82,7 @@ def pool_engine(client: PoolClient, reg: RegisteredModel, tok: Tokenizer, dtype:
     config = LlamaConfig.from_hf(reg.config)
     model = LlamaModel(config, client.acquire(reg.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, dtype)
-    kv = arena_kv_view(client.arena(), config, BLOCK, dtype, block_bytes)
+    kv = arena_kv_view(client.kv_arena(), config, BLOCK, dtype, block_bytes)
     return Engine(model, tok, kv, PoolBlockSource(client, block_bytes), {2}, EngineConfig(BLOCK))
 
 
@@ -153,7 +153,7 @@ def main() -> None:
                 config = LlamaConfig.from_hf(regs["float32"].config)
                 model = LlamaModel(config, client.acquire(manifest))
                 block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
-                kv = arena_kv_view(client.arena(), config, BLOCK, torch.float32, block_bytes)
+                kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch.float32, block_bytes)
                 Engine(model, tok, kv, PoolBlockSource(client, block_bytes), {2}, EngineConfig(BLOCK))
                 starts.append(time.perf_counter() - t0)
                 client.close()

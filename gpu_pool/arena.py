@@ -2,8 +2,8 @@
 
 :class:`BaseArena` is what the daemon's executor needs from a device: an attach handle
 for clients, an overlap-safe in-arena move, grouped loads from model-store files, and a
-read-back for verification. Backends: :mod:`gpu_pool.arena_cpu` (a shared-memory file)
-and :mod:`gpu_pool.arena_cuda` (CuPy memory shared over CUDA IPC).
+read-back for verification. Backends: :mod:`gpu_pool.arena_cpu` (a sealed memfd that
+clients map read-only) and :mod:`gpu_pool.arena_cuda` (CuPy memory shared over CUDA IPC).
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class BaseArena(ABC):
     @abstractmethod
     def handle(self) -> dict[str, Any]:
         """What a client needs to map the arena (sent in the ``hello`` reply, msgpack-safe)."""
+
+    def share_fd(self) -> int | None:
+        """A descriptor sent with the ``hello`` reply (``SCM_RIGHTS``) that the client maps
+        read-only, or None when the handle alone suffices (CUDA IPC)."""
+        return None
 
     @abstractmethod
     def move(self, dst: int, src: int, nbytes: int) -> None:

@@ -1,26 +1,32 @@
-"""CPU arena: one shared-memory file mapped by the pool daemon and by every client.
+"""CPU arena: one sealed memfd, written only by the pool daemon, mapped read-only by clients.
 
-The daemon creates ``ember-pool-<pid>-<token>`` in a shared-memory directory (``/dev/shm``
-by default), maps it ``MAP_SHARED`` and optionally pre-faults it (like ``cudaMalloc``,
-the pool owns its memory from the start, so loads pay no first-touch faults). Clients map
-the same file with ``torch.UntypedStorage.from_file(..., shared=True)``: zero copy, and the
-mapping survives the client's exit because the daemon keeps the file. Loads read store
-files with ``os.preadv`` straight into the mapping (the kernel copies from the page cache;
-measured faster here than faulting in an mmap of the store), groups in parallel threads.
+The daemon creates an anonymous memory file (``memfd_create`` with ``MFD_ALLOW_SEALING``,
+so nothing appears under ``/dev/shm`` and no other process can open it by name), maps it
+``MAP_SHARED`` read-write *once* and optionally pre-faults it (like ``cudaMalloc``, the pool
+owns its memory from the start, so loads pay no first-touch faults). Then it seals the file
+with ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: the daemon keeps
+writing through the mapping it already has, and from then on nobody (root included) can
+``write()`` the file, punch holes in it, resize it, or map it writable and shared; the seals
+themselves cannot be removed. Clients receive the descriptor over the pool socket
+(``SCM_RIGHTS``, see :mod:`gpu_pool.fdpass`) and map it ``PROT_READ``: zero copy, and a
+worker that writes into another function's weights dies of SIGSEGV instead of poisoning them.
+
+Loads read store files with ``os.preadv`` straight into the daemon's mapping (the kernel
+copies from the page cache; measured faster here than faulting in an mmap of the store),
+groups in parallel threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
-import re
 import secrets
 import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,41 +34,43 @@ import numpy as np
 from gpu_pool.arena import BaseArena, CopyJob, read_exactly
 from gpu_pool.errors import LoadError
 
-_NAME = re.compile(r"^ember-pool-(\d+)-[0-9a-f]+$")
+# Linux 5.1+; Python's fcntl module does not export it (3.11).
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 class CpuArena(BaseArena):
-    """A shared-memory file of ``capacity`` bytes in ``shm_dir``."""
+    """A sealed memfd of ``capacity`` bytes; only this object's mapping can write it."""
 
-    def __init__(self, capacity: int, shm_dir: str = "/dev/shm", prefault: bool = True, num_threads: int = 2):
+    def __init__(self, capacity: int, prefault: bool = True, num_threads: int = 2):
         if capacity <= 0:
             raise ValueError("arena capacity must be > 0")
         if num_threads <= 0:
             raise ValueError("num_threads must be > 0")
-        directory = Path(shm_dir)
-        if not directory.is_dir():
-            raise ValueError(f"shared-memory directory {shm_dir} does not exist")
-        remove_stale_arenas(directory)
         self.device = "cpu"
         self.capacity = capacity
-        self.path = str(directory / f"ember-pool-{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Names the arena in handles (a pre-mapped arena is recognised by it); not a secret.
+        self.arena_id = secrets.token_hex(16)
+        self._fd = os.memfd_create("ember-pool-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, capacity)
+            os.ftruncate(self._fd, capacity)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
-            self._mmap = mmap.mmap(fd, capacity, flags=flags)
+            self._mmap = mmap.mmap(self._fd, capacity, flags=flags)
+            # After this, the mapping above is the only writable path to these pages.
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
         except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
+            os.close(self._fd)
             raise
-        os.close(fd)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._base = self._array.ctypes.data
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="ember-load")
         self._closed = False
 
     def handle(self) -> dict[str, Any]:
-        return {"kind": "shm", "path": self.path, "size": self.capacity}
+        return {"kind": "memfd", "arena_id": self.arena_id, "size": self.capacity}
+
+    def share_fd(self) -> int | None:
+        return self._fd
 
     def move(self, dst: int, src: int, nbytes: int) -> None:
         self._check_range(src, nbytes)
@@ -96,6 +104,7 @@ class CpuArena(BaseArena):
                 os.close(fd)
 
     def _run_group(self, group: Sequence[CopyJob], fds: dict[str, int]) -> None:
+        # Through the daemon's own (pre-seal, writable) mapping: the sealed file refuses writes.
         view = memoryview(self._mmap)
         try:
             for job in group:
@@ -116,30 +125,5 @@ class CpuArena(BaseArena):
         # BufferError: a view is still exported; the mapping then goes away with the process.
         with contextlib.suppress(BufferError):
             self._mmap.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def remove_stale_arenas(directory: Path) -> list[str]:
-    """Delete arena files left by pool daemons that died without cleaning up."""
-    removed: list[str] = []
-    for entry in directory.iterdir():
-        m = _NAME.match(entry.name)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            entry.unlink()
-            removed.append(str(entry))
-        except OSError:
-            pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        # Clients that mapped the arena keep their pages; the memory goes when the last one unmaps.
+        os.close(self._fd)

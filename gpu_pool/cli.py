@@ -14,7 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda:N (EMBER_POOL_DEVICE)")
     parser.add_argument("--arena", help="arena size, e.g. 4GiB (EMBER_POOL_ARENA)")
     parser.add_argument("--socket", help="Unix socket path to serve on (EMBER_POOL_SOCKET)")
-    parser.add_argument("--shm-dir", help="directory of the CPU arena file (EMBER_POOL_SHM_DIR)")
     parser.add_argument("--eviction", choices=["mce", "lru", "random"], help="Stage 1 policy")
     parser.add_argument("--packing", choices=["pgp", "global_merge"], help="Stage 2 policy")
     parser.add_argument("--no-prefault", action="store_true", help="do not pre-fault the CPU arena at start")
@@ -24,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a trusted model store root: tensors load only from store entries under one "
         "(repeatable; EMBER_POOL_STORE, os.pathsep-separated). Without any, acquires are refused",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        metavar="PATH",
+        help="file whose first line is the admin token ('-': read it from stdin); a hello with it "
+        "opens an admin session (evict, grant). Or EMBER_POOL_ADMIN_TOKEN",
+    )
+    parser.add_argument(
+        "--session-kv-quota",
+        metavar="SIZE",
+        help="KV bytes a session without a ticket may hold, or 'unlimited' "
+        "(EMBER_POOL_SESSION_KV_QUOTA; default: unlimited without an admin token, else 0)",
     )
 
 
@@ -36,12 +47,29 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         device=args.device,
         arena_bytes=parse_size(args.arena, "--arena") if args.arena else None,
         socket_path=args.socket,
-        shm_dir=args.shm_dir,
         eviction=EvictionPolicy(args.eviction) if args.eviction else None,
         packing=PackingPolicy(args.packing) if args.packing else None,
         prefault=False if args.no_prefault else None,
         store_roots=tuple(args.store) if args.store else None,
+        admin_token=read_admin_token(args.admin_token_file) if args.admin_token_file else None,
+        session_kv_quota=args.session_kv_quota,
     )
+
+
+def read_admin_token(path: str) -> str:
+    """The first line of ``path`` (``-``: stdin), stripped; at most 4 KiB are read."""
+    try:
+        if path == "-":
+            line = sys.stdin.readline(4096)
+        else:
+            with open(path, encoding="utf-8") as f:
+                line = f.readline(4096)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--admin-token-file {path}: cannot read it ({exc})") from None
+    token = line.strip()
+    if not token:
+        raise ConfigError(f"--admin-token-file {path}: the first line is empty")
+    return token
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,18 +3,28 @@
 :class:`PoolClient` connects to a pool daemon's socket (one connection = one session),
 maps the arena once, and turns placements into torch tensor views: no copies. A worker
 that exits or dies releases its session because its socket closes.
+
+On a CPU pool the arena arrives as a sealed memfd with the ``hello`` reply and is mapped
+read-only: weight views cannot be written (a write faults). KV blocks live in a memfd private
+to the session, mapped read-write: :meth:`PoolClient.kv_arena` is the tensor to build KV
+views on (``KVBlocks`` offsets index it), :meth:`PoolClient.kv_view` one block. On CUDA both
+are the arena, as before. :meth:`PoolClient.watch` tells a worker when its pool has died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from gpu_pool import fdpass, mapping
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
-from gpu_pool.manifest import DTYPE_ITEMSIZE, Manifest
+from gpu_pool.manifest import Manifest
 from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
@@ -52,7 +62,8 @@ class AcquireReport:
 
 @dataclass(frozen=True, slots=True)
 class KVBlocks:
-    """KV blocks granted to this session: ids and arena offsets, all ``block_bytes`` long."""
+    """KV blocks granted to this session: ids and offsets, all ``block_bytes`` long. Offsets
+    are arena offsets (the pool's accounting) and index :meth:`PoolClient.kv_arena`."""
 
     block_ids: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -87,9 +98,18 @@ def premap(socket_path: str) -> MappedArena:
 class PoolClient:
     """A session with one pool daemon. Not thread-safe: use one per thread."""
 
-    def __init__(self, socket_path: str, timeout: float = 120.0, mapped: MappedArena | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        timeout: float = 120.0,
+        mapped: MappedArena | None = None,
+        admin_token: str | None = None,
+        ticket: str | None = None,
+    ) -> None:
         """Connect and say hello. ``mapped``: an arena this process mapped earlier (a pre-warmed
-        worker maps and pre-faults it before it has a function); reused if it is the same one."""
+        worker maps and pre-faults it before it has a function); reused if it is the same one.
+        ``admin_token``: the pool's admin token (an admin session may evict and grant);
+        ``ticket``: a ticket from :meth:`grant` whose KV quota this session gets."""
         self.socket_path = socket_path
         self._ids = itertools.count(1)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -101,15 +121,29 @@ class PoolClient:
             raise ConnectionError(f"cannot reach the pool daemon at {socket_path}: {exc}") from None
         self._arena: torch.Tensor | None = None
         self._storage: torch.UntypedStorage | None = None
+        self._kv: torch.Tensor | None = None
+        self._kv_storage: torch.UntypedStorage | None = None
+        self._fds: dict[str, int] = {}  # "arena" / "kv": received, not yet mapped
+        self._watcher: tuple[threading.Thread, int] | None = None  # thread, stop pipe's write end
         self.last_acquire: AcquireReport | None = None
-        info = self._call("hello", pid=os.getpid())
+        credentials = {k: v for k, v in (("admin_token", admin_token), ("ticket", ticket)) if v is not None}
+        try:
+            info, fds = self._request("hello", pid=os.getpid(), **credentials)
+        except BaseException:
+            self._sock.close()
+            raise
         self.session_id: str = info["session_id"]
         self.device: str = info["device"]
         self.arena_handle: dict[str, Any] = info["arena"]
         self.alignment: int = info["alignment"]
+        self.admin: bool = bool(info.get("admin", False))
+        self.kv_quota_bytes: int | None = info.get("kv_quota_bytes")
+        if fds:
+            self._fds["arena"] = fds[0]
         if mapped is not None and mapped.handle == self.arena_handle:
             self._arena = mapped.arena
             self._storage = mapped.arena.untyped_storage()
+            self._close_fd("arena")
 
     def __enter__(self) -> PoolClient:
         return self
@@ -118,8 +152,46 @@ class PoolClient:
         self.close()
 
     def close(self) -> None:
-        """Close the session; the daemon releases everything it held."""
+        """Close the session; the daemon releases everything it held (KV pages read as zeros
+        afterwards; weight views stay valid)."""
+        self._stop_watch()
         self._sock.close()
+        for name in list(self._fds):
+            self._close_fd(name)
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, from a daemon thread, when the pool closes this session's
+        connection (the daemon died, was stopped, or dropped the session); not after
+        :meth:`close`. The thread polls the socket for hang-up only, so it consumes no replies
+        and the client stays usable from its own thread."""
+        if self._watcher is not None:
+            raise RuntimeError("this client is already watched")
+        stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+        thread = threading.Thread(
+            target=mapping.watch_hangup,
+            args=(self._sock.fileno(), stop_r, callback),
+            name="ember-pool-watch",
+            daemon=True,
+        )
+        self._watcher = (thread, stop_w)
+        thread.start()
+
+    def _stop_watch(self) -> None:
+        # Before the socket closes: its descriptor number must not be reused under the poll.
+        if self._watcher is None:
+            return
+        thread, stop_w = self._watcher
+        self._watcher = None
+        with contextlib.suppress(BrokenPipeError):  # the thread already ended (it saw a hang-up)
+            os.write(stop_w, b"x")
+        if thread is not threading.current_thread():
+            thread.join(5.0)
+        os.close(stop_w)
+
+    def _close_fd(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
 
     # ----- operations ----------------------------------------------------------------------------
 
@@ -144,7 +216,11 @@ class PoolClient:
     def kv_alloc(self, num_blocks: int, block_bytes: int, aligned: bool = False) -> KVBlocks:
         """Allocate ``num_blocks`` KV blocks of at least ``block_bytes`` each (``aligned``: each
         at a multiple of the block size, so ``offset // block_bytes`` numbers it)."""
-        reply = self._call("kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned)
+        reply, fds = self._request(
+            "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned
+        )
+        if fds:
+            self._fds["kv"] = fds[0]
         return KVBlocks(tuple(reply["block_ids"]), tuple(reply["offsets"]), reply["block_bytes"])
 
     def kv_free(self, block_ids: list[int] | tuple[int, ...]) -> int:
@@ -158,79 +234,87 @@ class PoolClient:
         return stats
 
     def evict(self, model_id: str | None = None) -> int:
-        """Admin: evict inactive tensors (of one model, or all); returns bytes freed."""
+        """Admin: evict inactive tensors (of one model, or all); returns bytes freed. Needs a
+        session opened with the pool's admin token (``forbidden`` otherwise)."""
         freed: int = self._call("evict", model_id=model_id)["bytes_evicted"]
         return freed
+
+    def grant(self, kv_quota_bytes: int) -> str:
+        """Admin: a single-use ticket; the session whose hello presents it may hold
+        ``kv_quota_bytes`` of KV blocks."""
+        ticket: str = self._call("grant", kv_quota_bytes=kv_quota_bytes)["ticket"]
+        return ticket
 
     # ----- arena views ---------------------------------------------------------------------------
 
     def view(self, offset: int, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-        """A tensor of ``dtype`` and ``shape`` over the arena bytes starting at ``offset``."""
-        import torch
-
+        """A tensor of ``dtype`` and ``shape`` over the arena bytes starting at ``offset``
+        (read-only memory on a CPU pool: weights)."""
         arena = self.arena()
-        itemsize = DTYPE_ITEMSIZE[dtype]
-        assert offset % itemsize == 0, "the pool aligns every region"
-        shape = tuple(shape)
-        t = torch.empty(0, dtype=getattr(torch, dtype), device=arena.device)
         assert self._storage is not None
-        return t.set_(self._storage, offset // itemsize, shape, _contiguous_stride(shape))
+        return mapping.view(self._storage, arena.device, offset, dtype, shape)
+
+    def kv_view(self, offset: int, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+        """Like :meth:`view`, over this session's KV memory (``KVBlocks`` offsets)."""
+        kv = self.kv_arena()
+        assert self._kv_storage is not None
+        return mapping.view(self._kv_storage, kv.device, offset, dtype, shape)
 
     def arena(self) -> torch.Tensor:
         """The whole arena as a 1-D uint8 tensor (mapped on first use, then cached)."""
         if self._arena is None:
-            self._arena = _attach(self.arena_handle)
+            self._arena = mapping.attach(self.arena_handle, self._fds.get("arena"))
             self._storage = self._arena.untyped_storage()
+            self._close_fd("arena")  # the mapping holds the file
         return self._arena
+
+    def kv_arena(self) -> torch.Tensor:
+        """This session's KV memory as a 1-D uint8 tensor of the arena's size, writable and
+        seen by no other session; ``KVBlocks`` offsets index it. On CUDA, the arena."""
+        if self._kv is not None:
+            return self._kv
+        if "kv" not in self._fds:
+            reply, fds = self._request("kv_map")
+            if not reply.get("private_kv"):
+                self._kv = self.arena()
+                self._kv_storage = self._storage
+                return self._kv
+            if fds:
+                self._fds["kv"] = fds[0]
+        if "kv" not in self._fds:
+            raise ProtocolError("the pool did not send this session's KV memory")
+        self._kv = mapping.map_memfd(self._fds["kv"], int(self.arena_handle["size"]), writable=True)
+        self._kv_storage = self._kv.untyped_storage()
+        self._close_fd("kv")
+        return self._kv
 
     # ----- transport -----------------------------------------------------------------------------
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        reply, fds = self._request(op, **fields)
+        for fd in fds:  # none expected: do not leak what an odd daemon sent
+            os.close(fd)
+        return reply
+
+    def _request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        """One request; the reply and the descriptors sent after it (see gpu_pool.fdpass)."""
         request_id = next(self._ids)
+        fds: list[int] = []
         try:
             send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
             reply = decode_reply(recv_frame(self._sock))
             if reply.get("id") != request_id:
                 raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
+            if reply.get("fds"):
+                fds = fdpass.recv_fds(self._sock, reply["fds"])
         except (OSError, ProtocolError):
             # A late reply would answer the next call: this session cannot be trusted any more.
             # Closing it makes the daemon release everything the session held.
+            self._stop_watch()
             self._sock.close()
             raise
         if not reply.get("ok"):
             err = reply.get("error") or {}
             details = {k: v for k, v in err.items() if k not in ("type", "message")}
             raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
-        return reply
-
-
-def _attach(handle: dict[str, Any]) -> torch.Tensor:
-    import torch
-
-    if handle["kind"] == "shm":
-        # from_file would silently create a missing file: check it is the daemon's arena.
-        try:
-            size = os.stat(handle["path"]).st_size
-        except FileNotFoundError:
-            raise ProtocolError(f"arena file {handle['path']} does not exist (pool restarted?)") from None
-        if size != handle["size"]:
-            raise ProtocolError(f"arena file {handle['path']} has {size} bytes, expected {handle['size']}")
-        storage = cast(
-            "torch.UntypedStorage",
-            torch.UntypedStorage.from_file(handle["path"], shared=True, nbytes=handle["size"]),
-        )
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
-    if handle["kind"] == "cuda_ipc":
-        from gpu_pool.arena_cuda import attach_cuda
-
-        return attach_cuda(handle)
-    raise ProtocolError(f"unknown arena kind {handle['kind']!r}")
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
+        return reply, fds

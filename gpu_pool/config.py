@@ -4,6 +4,9 @@ Sizes accept suffixes (``512MiB``, ``4GiB``, ``1.5GB``, plain bytes). Every bad 
 loudly with the name of the setting. ``store_roots`` (``--store DIR``, repeatable, or
 ``EMBER_POOL_STORE=DIR[:DIR...]``) are the model store directories the daemon trusts: it loads
 tensor bytes only from store entries under them (see :mod:`gpu_pool.trust`).
+``admin_token`` (``--admin-token-file`` / ``EMBER_POOL_ADMIN_TOKEN``) and ``session_kv_quota``
+(``--session-kv-quota`` / ``EMBER_POOL_SESSION_KV_QUOTA``: a size or ``unlimited``) configure
+admin sessions and KV quotas (see :mod:`gpu_pool.access`).
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 from gpu_pool.allocator import PackingPolicy
 from gpu_pool.errors import ConfigError
@@ -48,6 +51,13 @@ def parse_size(text: str, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_quota(text: str, what: str) -> int | None:
+    """A KV quota: a size, or ``unlimited`` (None)."""
+    if text.strip().lower() == "unlimited":
+        return None
+    return parse_size(text, what)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Everything one pool daemon needs."""
@@ -55,7 +65,6 @@ class PoolConfig:
     device: str
     arena_bytes: int
     socket_path: str
-    shm_dir: str = "/dev/shm"
     prefault: bool = True
     eviction: EvictionPolicy = EvictionPolicy.MCE
     packing: PackingPolicy = PackingPolicy.PGP
@@ -65,6 +74,12 @@ class PoolConfig:
     # Trusted model store roots (absolute). Empty: the daemon serves KV blocks and stats but
     # refuses every acquire that names a tensor, since it has nowhere trusted to load from.
     store_roots: tuple[str, ...] = ()
+    # A hello presenting it makes an admin session (evict, grant). None: no admin sessions.
+    admin_token: str | None = field(default=None, repr=False)
+    # KV bytes a session without a ticket may hold: an int, None (unlimited) or "auto"
+    # (unlimited without an admin token, since nobody could grant more; 0 with one).
+    session_kv_quota: int | Literal["auto"] | None = "auto"
+    max_tickets: int = 4096  # outstanding (granted, unused) tickets
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -80,6 +95,22 @@ class PoolConfig:
         if self.host_cache_bytes < 0:
             raise ConfigError("host_cache_bytes must be >= 0")
         object.__setattr__(self, "store_roots", _store_roots(self.store_roots))
+        if self.admin_token is not None and (
+            not isinstance(self.admin_token, str) or not 16 <= len(self.admin_token) <= 256
+        ):
+            raise ConfigError("admin token: expected 16 to 256 characters")
+        quota = self.session_kv_quota
+        if quota != "auto" and quota is not None and (not isinstance(quota, int) or quota < 0):
+            raise ConfigError(f"session_kv_quota: expected bytes >= 0, 'unlimited' or 'auto', got {quota!r}")
+        if self.max_tickets < 1:
+            raise ConfigError("max_tickets must be >= 1")
+
+    @property
+    def default_session_kv_quota(self) -> int | None:
+        """KV bytes of a session without a ticket (None: unlimited)."""
+        if self.session_kv_quota == "auto":
+            return None if self.admin_token is None else 0
+        return self.session_kv_quota
 
     @property
     def aligned_arena_bytes(self) -> int:
@@ -97,8 +128,6 @@ class PoolConfig:
             values["arena_bytes"] = parse_size(env["EMBER_POOL_ARENA"], "EMBER_POOL_ARENA")
         if "EMBER_POOL_SOCKET" in env:
             values["socket_path"] = env["EMBER_POOL_SOCKET"]
-        if "EMBER_POOL_SHM_DIR" in env:
-            values["shm_dir"] = env["EMBER_POOL_SHM_DIR"]
         if "EMBER_POOL_PREFAULT" in env:
             values["prefault"] = _parse_bool(env["EMBER_POOL_PREFAULT"], "EMBER_POOL_PREFAULT")
         if "EMBER_POOL_EVICTION" in env:
@@ -113,7 +142,16 @@ class PoolConfig:
             values["host_cache_bytes"] = parse_size(env["EMBER_POOL_HOST_CACHE"], "EMBER_POOL_HOST_CACHE")
         if "EMBER_POOL_STORE" in env:
             values["store_roots"] = _parse_paths(env["EMBER_POOL_STORE"], "EMBER_POOL_STORE")
+        if "EMBER_POOL_ADMIN_TOKEN" in env:
+            values["admin_token"] = env["EMBER_POOL_ADMIN_TOKEN"]
+        if "EMBER_POOL_SESSION_KV_QUOTA" in env:
+            values["session_kv_quota"] = parse_quota(
+                env["EMBER_POOL_SESSION_KV_QUOTA"], "EMBER_POOL_SESSION_KV_QUOTA"
+            )
         values.update({k: v for k, v in overrides.items() if v is not None})
+        quota = values.get("session_kv_quota")
+        if isinstance(quota, str) and quota != "auto":  # from a flag: parse like the variable
+            values["session_kv_quota"] = parse_quota(quota, "--session-kv-quota")
         for required in ("device", "arena_bytes", "socket_path"):
             if required not in values:
                 flag = {"device": "--device", "arena_bytes": "--arena", "socket_path": "--socket"}[required]

@@ -10,6 +10,16 @@ its session's pins and KV blocks.
 Malformed messages get a typed error reply; an oversized frame gets a reply and the
 connection is closed (its framing can no longer be trusted); the daemon keeps serving.
 
+Isolation (issue 10): on a CPU pool the arena is a sealed memfd that only the daemon's own
+mapping can write (:mod:`gpu_pool.arena_cpu`); each session gets it with the ``hello`` reply
+over ``SCM_RIGHTS`` (:mod:`gpu_pool.fdpass`) and maps it read-only. KV blocks are accounted in
+the arena's region list but their pages live in a memfd private to the session
+(:mod:`gpu_pool.kv_memory`). ``evict`` and ``grant`` need an admin session, and KV blocks are
+bounded by a per-session quota (:mod:`gpu_pool.access`). Requests are typed messages
+(:mod:`gpu_pool.messages`): every field is type- and range-checked before a handler runs, so
+bad values get a typed error reply, never a dropped connection. The daemon process is not
+dumpable, so other processes of its uid cannot reach its descriptors through ``/proc``.
+
 Manifests are not taken on trust (:mod:`gpu_pool.trust`): before an acquire pins or loads
 anything, every tensor's file must resolve inside one of the configured store roots
 (``--store DIR`` / ``EMBER_POOL_STORE``) and every static tensor must match, field for field,
@@ -30,20 +40,32 @@ import os
 import signal
 import socket
 import sys
-from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import xxhash
-
+from gpu_pool import fdpass, messages
+from gpu_pool.access import AccessControl, Session
 from gpu_pool.arena import BaseArena
 from gpu_pool.config import PoolConfig
-from gpu_pool.errors import ConfigError, LoadError, MessageTooLarge, PoolError, ProtocolError
+from gpu_pool.errors import ConfigError, InvalidArgument, LoadError, MessageTooLarge, OutOfMemory, PoolError
+from gpu_pool.hardening import make_undumpable
+from gpu_pool.kv_memory import SessionKV
 from gpu_pool.manifest import Manifest
-from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, decode_request, encode, error_reply, read_frame
-from gpu_pool.reuse_store import AcquireResult, ReuseStore, StoreConfig
+from gpu_pool.manifest_cache import ManifestCache
+from gpu_pool.protocol import (
+    PROTOCOL_VERSION,
+    decode_request,
+    encode,
+    encode_reply,
+    error_reply,
+    read_frame,
+)
+from gpu_pool.regions import align_up
+from gpu_pool.reuse_store import AcquireResult, KVBlock, ReuseStore, StoreConfig
 from gpu_pool.trust import StoreTrust
 
 log = logging.getLogger("ember.pool")
+Reply = tuple[dict[str, Any], list[int]]  # reply fields, descriptors sent after it (SCM_RIGHTS)
 
 
 def make_arena(config: PoolConfig) -> BaseArena:
@@ -53,7 +75,6 @@ def make_arena(config: PoolConfig) -> BaseArena:
 
         return CpuArena(
             config.aligned_arena_bytes,
-            shm_dir=config.shm_dir,
             prefault=config.prefault,
             num_threads=config.load_threads,
         )
@@ -83,6 +104,9 @@ class PoolDaemon:
         self._manifests = ManifestCache()
         self._trust = StoreTrust(config.store_roots)
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._access = AccessControl(config.admin_token, config.default_session_kv_quota, config.max_tickets)
+        # CPU pools give each session its own KV pages; on CUDA, KV blocks stay in the arena.
+        self._private_kv = self.arena.share_fd() is not None
 
     async def start(self) -> None:
         """Bind the socket (replacing a stale one) and start accepting."""
@@ -135,8 +159,9 @@ class PoolDaemon:
         self.arena.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session_id = f"s{next(self._session_ids)}-{os.getpid()}"
-        self.store.open_session(session_id)
+        session = self._access.new_session(f"s{next(self._session_ids)}-{os.getpid()}")
+        self.store.open_session(session.session_id)
+        fdpass.prepare(writer)
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
@@ -151,24 +176,37 @@ class PoolDaemon:
                     await writer.drain()
                     break
                 request_id: Any = None
+                fds: list[int] = []
                 try:
-                    request = decode_request(body)
-                    request_id = request.get("id")
-                    reply = await self._dispatch(session_id, request)
+                    raw = decode_request(body)
+                    request_id = raw.get("id")
+                    reply, fds = await self._dispatch(session, messages.parse(raw))
                     reply.update(v=PROTOCOL_VERSION, id=request_id, ok=True)
+                    if fds:
+                        reply["fds"] = len(fds)
+                    frame = encode(reply)
                 except PoolError as exc:
-                    reply = error_reply(exc, request_id)
-                except Exception as exc:  # a bug: answer it, log it, keep serving
-                    log.exception("internal error serving %s", session_id)
-                    reply = error_reply(PoolError(f"internal error: {type(exc).__name__}: {exc}"), request_id)
-                writer.write(encode(reply))
-                await writer.drain()
+                    fds = []
+                    frame = encode_reply(error_reply(exc, request_id))
+                except Exception as exc:  # a bug (or an unencodable reply): answer it, log it, keep serving
+                    log.exception("internal error serving %s", session.session_id)
+                    fds = []
+                    failure = PoolError(f"internal error: {type(exc).__name__}: {exc}")
+                    frame = encode_reply(error_reply(failure, request_id))
+                writer.write(frame)
+                if fds:
+                    await fdpass.send_fds(writer, fds)
+                    session.kv_sent = session.kv_sent or (session.kv is not None and session.kv.fd in fds)
+                else:
+                    await writer.drain()
         except (ConnectionError, OSError):
             pass  # the peer went away mid-reply; the session is released below
         finally:
             self._connections.pop(task, None)
             async with self._lock:
-                self.store.close_session(session_id)
+                self.store.close_session(session.session_id)
+            if session.kv is not None:
+                session.kv.close()  # punches every page out
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
@@ -214,98 +252,113 @@ class PoolDaemon:
             trusted = await asyncio.to_thread(self._trust.check, manifest)
         return trusted
 
-    def _manifest(self, request: dict[str, Any]) -> Manifest:
-        encoded = request.get("manifest_bin")
-        if encoded is not None:
-            if not isinstance(encoded, bytes):
-                raise ProtocolError("acquire: 'manifest_bin' must be msgpack bytes")
-            return self._manifests.get(encoded)
-        return Manifest.from_dict(request.get("manifest"))
+    # ----- handlers (one per typed request; see gpu_pool.messages) -------------------------------
 
-    async def _dispatch(self, session_id: str, request: dict[str, Any]) -> dict[str, Any]:
-        op = request["op"]
-        if op == "hello":
-            return {
-                "session_id": session_id,
-                "device": self.arena.device,
-                "arena": self.arena.handle(),
-                "alignment": self.store.config.alignment,
-                "protocol": PROTOCOL_VERSION,
-            }
-        if op == "stats":
-            async with self._lock:
-                return {"stats": self.store.stats()}
-        if op == "acquire":
-            manifest = await self._trusted(self._manifest(request))
-            result = await self._acquire(session_id, manifest)
-            return {
-                "placements": result.placements,
-                "bytes_loaded": result.bytes_loaded,
-                "bytes_reused": result.bytes_reused,
-                "bytes_moved": result.bytes_moved,
-                "bytes_evicted": result.bytes_evicted,
-                "load_seconds": result.load_seconds,
-                "plan_seconds": result.plan_seconds,
-            }
-        if op == "release":
-            async with self._lock:
-                self.store.release(session_id)
-            return {}
-        if op == "kv_alloc":
-            num_blocks = _int_field(request, "num_blocks")
-            block_bytes = _int_field(request, "block_bytes")
-            aligned = request.get("aligned", False)
-            if not isinstance(aligned, bool):
-                raise ProtocolError("kv_alloc: 'aligned' must be a boolean")
-            async with self._lock:
-                alloc = self.store.kv_alloc(session_id, num_blocks, block_bytes, aligned)
-            return {
-                "block_ids": list(alloc.block_ids),
-                "offsets": list(alloc.offsets),
-                "block_bytes": alloc.block_bytes,
-                "bytes_evicted": alloc.bytes_evicted,
-            }
-        if op == "kv_free":
-            ids = request.get("block_ids")
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ProtocolError("kv_free needs 'block_ids': a list of integers")
-            async with self._lock:
-                freed = self.store.kv_free(session_id, ids)
-            return {"freed": freed}
-        assert op == "evict", op
-        model_id = request.get("model_id")
-        if model_id is not None and not isinstance(model_id, str):
-            raise ProtocolError("evict: 'model_id' must be a string or absent")
+    async def _dispatch(self, session: Session, request: messages.Request) -> Reply:
+        handler: Callable[[Session, Any], Awaitable[Reply]] = getattr(self, f"_on_{request.op}")
+        return await handler(session, request)
+
+    async def _on_hello(self, session: Session, request: messages.Hello) -> Reply:
+        self._access.authenticate(session, request.admin_token, request.ticket)
+        reply = {
+            "session_id": session.session_id,
+            "device": self.arena.device,
+            "arena": self.arena.handle(),
+            "alignment": self.store.config.alignment,
+            "protocol": PROTOCOL_VERSION,
+            "admin": session.admin,
+            "kv_quota_bytes": session.kv_quota,
+        }
+        fd = self.arena.share_fd()
+        return reply, [] if fd is None else [fd]
+
+    async def _on_stats(self, session: Session, request: messages.Stats) -> Reply:
         async with self._lock:
-            return {"bytes_evicted": self.store.evict(model_id)}
+            return {"stats": self.store.stats()}, []
 
+    async def _on_acquire(self, session: Session, request: messages.Acquire) -> Reply:
+        if request.manifest_bin is not None:
+            parsed = self._manifests.get(request.manifest_bin)
+        else:
+            parsed = Manifest.from_dict(request.manifest)
+        result = await self._acquire(session.session_id, await self._trusted(parsed))
+        return {
+            "placements": result.placements,
+            "bytes_loaded": result.bytes_loaded,
+            "bytes_reused": result.bytes_reused,
+            "bytes_moved": result.bytes_moved,
+            "bytes_evicted": result.bytes_evicted,
+            "load_seconds": result.load_seconds,
+            "plan_seconds": result.plan_seconds,
+        }, []
 
-class ManifestCache:
-    """Parsed manifests by the xxh3 of their encoding: a worker fleet sends the same few
-    manifests over and over, and validating ~300 entries costs ~1 ms."""
+    async def _on_release(self, session: Session, request: messages.Release) -> Reply:
+        async with self._lock:
+            blocks = self._kv_ranges(self.store.sessions[session.session_id].kv)
+            self.store.release(session.session_id)
+            self._punch(session, blocks)
+        return {}, []
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Manifest] = OrderedDict()
+    async def _on_kv_map(self, session: Session, request: messages.KVMap) -> Reply:
+        return {"private_kv": self._private_kv}, self._kv_fds(session)
 
-    def get(self, encoded: bytes) -> Manifest:
-        key = xxhash.xxh3_128_hexdigest(encoded)
-        hit = self._items.get(key)
-        if hit is not None:
-            self._items.move_to_end(key)
-            return hit
-        manifest = Manifest.from_dict(decode_reply(encoded))
-        self._items[key] = manifest
-        if len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-        return manifest
+    async def _on_kv_alloc(self, session: Session, request: messages.KVAlloc) -> Reply:
+        size = align_up(request.block_bytes, self.store.config.alignment)
+        needed = request.num_blocks * size
+        if needed > messages.MAX_COUNT:
+            raise InvalidArgument(
+                f"kv_alloc: {request.num_blocks} blocks of {request.block_bytes} bytes overflow a byte count",
+                "num_blocks",
+            )
+        if needed > self.arena.capacity:
+            raise OutOfMemory("kv_alloc", needed, self.arena.capacity)
+        async with self._lock:
+            used = sum(b.size for b in self._kv_ranges(self.store.sessions[session.session_id].kv))
+            self._access.check_kv_quota(session, used, needed)
+            fds = self._kv_fds(session)  # before allocating: a failure here leaks no blocks
+            alloc = self.store.kv_alloc(session.session_id, request.num_blocks, size, request.aligned)
+        return {
+            "block_ids": list(alloc.block_ids),
+            "offsets": list(alloc.offsets),
+            "block_bytes": alloc.block_bytes,
+            "bytes_evicted": alloc.bytes_evicted,
+        }, fds
 
+    async def _on_kv_free(self, session: Session, request: messages.KVFree) -> Reply:
+        async with self._lock:
+            owned = self.store.sessions[session.session_id].kv
+            blocks = self._kv_ranges(b for b in request.block_ids if b in owned)
+            freed = self.store.kv_free(session.session_id, request.block_ids)
+            self._punch(session, blocks)
+        return {"freed": freed}, []
 
-def _int_field(request: dict[str, Any], name: str) -> int:
-    value = request.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ProtocolError(f"{request['op']} needs '{name}': an integer")
-    return value
+    async def _on_evict(self, session: Session, request: messages.Evict) -> Reply:
+        self._access.require_admin(session, "evict")
+        async with self._lock:
+            return {"bytes_evicted": self.store.evict(request.model_id)}, []
+
+    async def _on_grant(self, session: Session, request: messages.Grant) -> Reply:
+        return {"ticket": self._access.grant(session, request.kv_quota_bytes)}, []
+
+    # ----- per-session KV pages (gpu_pool.kv_memory) ----------------------------------------------
+
+    def _kv_fds(self, session: Session) -> list[int]:
+        """The session's KV descriptor if the client does not have it yet (created on first use)."""
+        if not self._private_kv:
+            return []
+        if session.kv is None:
+            session.kv = SessionKV(session.session_id, self.arena.capacity)
+        return [] if session.kv_sent else [session.kv.fd]
+
+    def _kv_ranges(self, block_ids: Iterable[int]) -> list[KVBlock]:
+        return [self.store.kv_blocks[b] for b in block_ids if b in self.store.kv_blocks]
+
+    @staticmethod
+    def _punch(session: Session, blocks: list[KVBlock]) -> None:
+        """Give freed blocks' pages back (their accounting already left the region list)."""
+        if session.kv is not None:
+            for block in blocks:
+                session.kv.punch(block.offset, block.size)
 
 
 def _socket_is_live(path: str) -> bool:
@@ -320,6 +373,8 @@ def _socket_is_live(path: str) -> bool:
 def run(config: PoolConfig) -> int:
     """Run a daemon until SIGTERM/SIGINT; the ``ember pool`` entry point."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    make_undumpable()
+    os.environ.pop("EMBER_POOL_ADMIN_TOKEN", None)  # nothing we start should inherit it
     try:
         daemon = PoolDaemon(config)
     except PoolError as exc:

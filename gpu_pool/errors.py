@@ -53,6 +53,45 @@ class UnknownOp(ProtocolError):
     code = "unknown_op"
 
 
+class InvalidArgument(ProtocolError):
+    """A request field has the right type but a value out of its range (negative, zero where
+    a positive count is needed, absurdly large, or a product that overflows the arena)."""
+
+    code = "invalid_argument"
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def details(self) -> dict[str, Any]:
+        return {"field": self.field}
+
+
+class Forbidden(PoolError):
+    """The session may not do this: an admin-only op without an admin session, or a wrong
+    admin token or ticket in ``hello``."""
+
+    code = "forbidden"
+
+
+class KVQuotaExceeded(PoolError):
+    """A ``kv_alloc`` would take the session's KV bytes past its quota."""
+
+    code = "kv_quota_exceeded"
+
+    def __init__(self, quota: int, used: int, requested: int) -> None:
+        super().__init__(
+            f"KV quota exceeded: the session holds {used} bytes of KV blocks, asks for {requested} "
+            f"more, and may hold {quota} (a ticket from the pool's admin grants more)"
+        )
+        self.quota = quota
+        self.used = used
+        self.requested = requested
+
+    def details(self) -> dict[str, Any]:
+        return {"quota": self.quota, "used": self.used, "requested": self.requested}
+
+
 class ManifestError(PoolError, ValueError):
     """A manifest or store entry is inconsistent (sizes, dtypes, missing files)."""
 
@@ -119,6 +158,9 @@ ERRORS_BY_CODE: dict[str, type[PoolError]] = {
         MessageTooLarge,
         UnsupportedVersion,
         UnknownOp,
+        InvalidArgument,
+        Forbidden,
+        KVQuotaExceeded,
         ManifestError,
         UntrustedManifest,
         OutOfMemory,

@@ -3,7 +3,9 @@
 A frame is a 4-byte big-endian unsigned length followed by that many bytes of msgpack.
 Every request is a map with ``v`` (protocol version), ``op`` and an ``id`` the reply
 echoes. Replies carry ``ok``; failures carry ``error: {type, message, ...details}`` where
-``type`` is a :class:`gpu_pool.errors.PoolError` code. Never pickle.
+``type`` is a :class:`gpu_pool.errors.PoolError` code. A reply with ``fds: N`` is followed on
+the stream by one marker byte carrying N descriptors (``SCM_RIGHTS``, :mod:`gpu_pool.fdpass`).
+Requests are validated into typed messages by :mod:`gpu_pool.messages`. Never pickle.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 import msgpack
 
 from gpu_pool.errors import MessageTooLarge, PoolError, ProtocolError, UnknownOp, UnsupportedVersion
+from gpu_pool.messages import MESSAGES
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 300-tensor manifest is ~60 KB; 16 MiB is generous
-OPS = frozenset({"hello", "acquire", "release", "kv_alloc", "kv_free", "stats", "evict"})
+OPS = frozenset(MESSAGES)
 _HEADER = struct.Struct(">I")
 
 
@@ -54,6 +57,19 @@ def error_reply(exc: PoolError, request_id: Any = None) -> dict[str, Any]:
         "ok": False,
         "error": {"type": exc.code, "message": str(exc), **exc.details()},
     }
+
+
+def encode_reply(reply: dict[str, Any]) -> bytes:
+    """``reply`` as a frame; a reply msgpack cannot carry (an integer past 64 bits, say)
+    becomes a typed error reply instead of a dropped connection."""
+    try:
+        return encode(reply)
+    except (OverflowError, ValueError, TypeError) as exc:
+        failure = PoolError(f"internal error: the reply cannot be encoded ({type(exc).__name__}: {exc})")
+        request_id = reply.get("id")
+        if not isinstance(request_id, (int, str, type(None))):
+            request_id = None
+        return encode(error_reply(failure, request_id))
 
 
 def _unpack(body: bytes) -> dict[str, Any]:

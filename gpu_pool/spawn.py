@@ -1,9 +1,15 @@
-"""Start a pool daemon as a child process and wait until it serves (for tools and tests)."""
+"""Start a pool daemon as a child process and wait until it serves (for tools and tests).
+
+:class:`PoolProcess` makes a fresh admin token for every daemon and writes it to the child's
+stdin (``--admin-token-file -``): it never appears in argv (world-readable in ``/proc``) nor
+in the child's environment. The parent keeps it as :attr:`PoolProcess.admin_token`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,13 +32,18 @@ class PoolProcess:
         preexec_fn: Callable[[], None] | None = None,
         log_path: str | None = None,
         store_roots: Sequence[str | os.PathLike[str]] = (),
+        session_kv_quota: int | None = None,
     ) -> None:
         """Start the daemon and wait for its readiness line. ``log_path``: where its stderr
         goes (append); without it stderr is a pipe, which suits short-lived daemons only (a
         long-lived one would block once an unread pipe fills). ``store_roots``: the model
         store directories it may load tensors from (``--store``; without any, and without
-        ``EMBER_POOL_STORE`` in its environment, it refuses every acquire of tensors)."""
+        ``EMBER_POOL_STORE`` in its environment, it refuses every acquire of tensors).
+        ``session_kv_quota``: KV bytes a session without a ticket may hold; None (the default,
+        until workers carry tickets from :meth:`gpu_pool.client.PoolClient.grant`) is
+        unlimited. ``EMBER_POOL_SESSION_KV_QUOTA`` in ``env`` takes precedence."""
         self.socket_path = str(socket_path)
+        self.admin_token = secrets.token_urlsafe(32)
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed in stop())
         args = [
             sys.executable,
@@ -47,15 +58,27 @@ class PoolProcess:
         ]
         for root in store_roots:
             args += ["--store", os.fspath(root)]
+        args += ["--admin-token-file", "-"]
+        child_env = dict(os.environ, **(env or {}))
+        child_env.pop("EMBER_POOL_ADMIN_TOKEN", None)
+        child_env.setdefault(
+            "EMBER_POOL_SESSION_KV_QUOTA", "unlimited" if session_kv_quota is None else str(session_kv_quota)
+        )
         self.proc = subprocess.Popen(
             [*args, *extra_args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log if self._log is not None else subprocess.PIPE,
             text=True,
-            env=dict(os.environ, **(env or {})),
+            env=child_env,
             preexec_fn=preexec_fn,  # noqa: PLW1509  (callers pass async-signal-safe calls only)
         )
-        assert self.proc.stdout is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(self.admin_token + "\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once; its stderr says why below
         line = self.proc.stdout.readline()
         if not line:
             if self.proc.stderr is not None:
@@ -82,7 +105,7 @@ class PoolProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
         if self._log is not None:

@@ -78,7 +78,7 @@ def generate(
     arena = manifest.nbytes + kv_blocks * block_bytes + (64 << 20)
     with private_pool(arena, model_reg.store_path) as sock, PoolClient(sock) as client:
         model = LlamaModel(config, client.acquire(manifest))
-        kv = arena_kv_view(client.arena(), config, BLOCK, torch_dtype, block_bytes)
+        kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch_dtype, block_bytes)
         engine = Engine(
             model, tok, kv, PoolBlockSource(client, block_bytes), eos_ids(model_reg, tok), EngineConfig(BLOCK)
         )

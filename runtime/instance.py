@@ -166,7 +166,7 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
     config = LlamaConfig.from_hf(template.model.config)
     dtype = getattr(torch, profile["kv_dtype"])
     llama = LlamaModel(config, tensors)
-    kv = arena_kv_view(client.arena(), config, profile["block_size"], dtype, profile["kv_block_bytes"])
+    kv = arena_kv_view(client.kv_arena(), config, profile["block_size"], dtype, profile["kv_block_bytes"])
     engine = Engine(
         llama,
         template.tokenizer,

@@ -55,7 +55,11 @@ def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype, ali
 def arena_kv_view(
     arena: torch.Tensor, config: LlamaConfig, block_size: int, dtype: torch.dtype, block_bytes: int
 ) -> torch.Tensor:
-    """The arena (a 1-D uint8 tensor) as blocks: (num_blocks, L, 2, BS, H_kv, D) of ``dtype``."""
+    """The arena (a 1-D uint8 tensor) as blocks: (num_blocks, L, 2, BS, H_kv, D) of ``dtype``.
+
+    Pass the session's KV memory, ``PoolClient.kv_arena()``: on a CPU pool the arena itself
+    is read-only and KV blocks live in a memory file private to the session, at the same
+    offsets the pool hands out."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     num_blocks = arena.numel() // block_bytes
     shape = (num_blocks, *config.kv_block_shape(block_size))

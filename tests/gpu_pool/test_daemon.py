@@ -74,16 +74,11 @@ def test_two_client_processes_share_the_same_memory(pool_process: PoolProcess, m
         assert sorted([info_a["reused"], info_b["reused"]]) == [0, manifest.nbytes]
         expected = int(random_tensors(1, [1000, 250_000, 7, 4096])["t1"][0])
         assert info_a["first"] == info_b["first"] == expected
-        # Zero copy: a write through A's view is visible through B's view.
-        new_value = (expected + 1) % 256
-        a.stdin.write(f"write {new_value}\n")
-        a.stdin.flush()
-        assert a.stdout.readline().strip() == "written"
+        # Zero copy: both views are the same bytes of the one arena (writing them is refused:
+        # see test_isolation.py).
         b.stdin.write("read\n")
         b.stdin.flush()
-        assert int(b.stdout.readline()) == new_value
-        a.stdin.write(f"write {expected}\n")  # restore
-        a.stdin.flush()
+        assert int(b.stdout.readline()) == expected
     finally:
         for p in (a, b):
             p.kill()
@@ -231,35 +226,29 @@ def test_many_concurrent_sessions(pool_process: PoolProcess, store_root: Path) -
         assert s["bytes_loaded"] == sum(m.nbytes for m in manifests)
 
 
-def test_sigterm_removes_socket_and_arena_file(tmp_path: Path) -> None:
+def test_sigterm_removes_socket_and_leaves_no_arena_file(tmp_path: Path) -> None:
     pool = PoolProcess(tmp_path / "p.sock")
     with PoolClient(pool.socket_path) as c:
-        arena_path = c.arena_handle["path"]
-    assert os.path.exists(arena_path)
+        assert c.arena_handle["kind"] == "memfd" and "path" not in c.arena_handle
     pool.proc.send_signal(signal.SIGTERM)
     assert pool.proc.wait(10) == 0
     pool.stop()
-    assert not os.path.exists(pool.socket_path) and not os.path.exists(arena_path)
+    assert not os.path.exists(pool.socket_path)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ember-pool-{pool.proc.pid}-")]
 
 
-def test_second_daemon_on_a_live_socket_is_refused_and_leaves_no_arena_file(
-    pool_process: PoolProcess, tmp_path: Path
-) -> None:
-    shm = tmp_path / "shm"
-    shm.mkdir()
+def test_second_daemon_on_a_live_socket_is_refused(pool_process: PoolProcess) -> None:
     cmd = [sys.executable, "-m", "gpu_pool", "--device", "cpu", "--arena", "4MiB"]
-    cmd += ["--socket", pool_process.socket_path, "--shm-dir", str(shm)]
+    cmd += ["--socket", pool_process.socket_path]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "already serving" in out.stderr
-    assert list(shm.iterdir()) == []
     assert pool_process.alive()
 
 
-def test_client_refuses_to_map_a_missing_arena(pool_process: PoolProcess) -> None:
+def test_client_refuses_an_arena_of_the_wrong_size(pool_process: PoolProcess) -> None:
     from gpu_pool.errors import ProtocolError
 
     with PoolClient(pool_process.socket_path) as c:
-        c.arena_handle = {**c.arena_handle, "path": c.arena_handle["path"] + "-gone"}
-        with pytest.raises(ProtocolError, match="does not exist"):
+        c.arena_handle = {**c.arena_handle, "size": c.arena_handle["size"] + 4096}
+        with pytest.raises(ProtocolError, match="expected"):
             c.arena()
-        assert not os.path.exists(c.arena_handle["path"])  # and it did not create one

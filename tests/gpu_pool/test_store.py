@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gpu_pool import store
 from gpu_pool.arena import CopyJob
-from gpu_pool.arena_cpu import CpuArena, remove_stale_arenas
+from gpu_pool.arena_cpu import ARENA_SEALS, CpuArena
 from gpu_pool.config import PoolConfig, parse_size
 from gpu_pool.errors import ConfigError, LoadError, ManifestError
 from gpu_pool.eviction import DecayedCountRateEstimator
@@ -166,7 +166,7 @@ def test_cpu_arena_load_move_and_errors(tmp_path: Path) -> None:
     src = tmp_path / "src.bin"
     payload = bytes(range(256)) * 64
     src.write_bytes(payload)
-    arena = CpuArena(1 << 20, shm_dir=str(tmp_path), prefault=False)
+    arena = CpuArena(1 << 20, prefault=False)
     try:
         arena.load(group_copies([CopyJob(str(src), 0, 4096, len(payload))]))
         assert arena.read(4096, len(payload)) == payload
@@ -182,16 +182,37 @@ def test_cpu_arena_load_move_and_errors(tmp_path: Path) -> None:
             arena.move(0, (1 << 20) - 10, 100)
     finally:
         arena.close()
-    assert not Path(arena.path).exists()
 
 
-def test_stale_arena_files_of_dead_daemons_are_removed(tmp_path: Path) -> None:
-    dead = tmp_path / "ember-pool-999999999-abcdef"
-    dead.write_bytes(b"x")
-    live = tmp_path / f"ember-pool-{__import__('os').getpid()}-abcdef"
-    live.write_bytes(b"x")
-    assert remove_stale_arenas(tmp_path) == [str(dead)]
-    assert live.exists()
+def test_cpu_arena_is_a_sealed_memfd_that_only_its_own_mapping_writes(tmp_path: Path) -> None:
+    """Issue 10: the arena was a /dev/shm file any same-uid process could open read-write."""
+    import fcntl
+    import mmap
+    import os
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"\x5a" * 8192)
+    arena = CpuArena(1 << 20, prefault=False)
+    try:
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ember-pool-{os.getpid()}-")]
+        fd = arena.share_fd()
+        assert fd is not None and "path" not in arena.handle()
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & ARENA_SEALS == ARENA_SEALS
+        arena.load([[CopyJob(str(src), 0, 4096, 8192)]])  # the daemon's own mapping still writes
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            for target in (fd, reopened):
+                with pytest.raises(PermissionError):
+                    os.pwrite(target, b"evil", 4096)
+                with pytest.raises(PermissionError):
+                    mmap.mmap(target, 1 << 20, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(PermissionError):
+                    os.ftruncate(target, 0)
+        finally:
+            os.close(reopened)
+        assert arena.read(4096, 8192) == b"\x5a" * 8192
+    finally:
+        arena.close()
 
 
 def test_decayed_count_rate_tracks_steady_arrivals_and_fades() -> None:
@@ -219,7 +240,7 @@ def test_cpu_arena_refuses_non_regular_store_files(tmp_path: Path) -> None:
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    arena = CpuArena(1 << 20, shm_dir=str(tmp_path), prefault=False)
+    arena = CpuArena(1 << 20, prefault=False)
     try:
         with pytest.raises(LoadError, match="not a regular file"):
             arena.load([[CopyJob(str(fifo), 0, 0, 10)]])

@@ -185,9 +185,7 @@ def test_a_correct_manifest_is_shared_zero_copy_including_through_a_symlink_insi
         offset_a = ta["t1"].data_ptr() - a.arena().data_ptr()
         assert offset_a == tb["t1"].data_ptr() - b.arena().data_ptr()
         expected = int(random_tensors(1, SIZES)["t1"][0])
-        ta["t1"][0] = (expected + 1) % 256  # a write through one view shows through the other
-        assert int(tb["t1"][0]) == (expected + 1) % 256
-        ta["t1"][0] = expected
+        assert int(ta["t1"][0]) == int(tb["t1"][0]) == expected  # views are read-only: see test_isolation
         for _ in range(3):  # repeats take the remembered path and still answer the same
             assert b.acquire(alias)["t1"].data_ptr() - b.arena().data_ptr() == offset_a
 

@@ -43,7 +43,7 @@ def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_
     config = LlamaConfig.from_hf(tiny.config)
     model = LlamaModel(config, client.acquire(tiny.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
-    kv = arena_kv_view(client.arena(), config, BLOCK, torch.float32, block_bytes)
+    kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch.float32, block_bytes)
     tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
     return Engine(
         model,
