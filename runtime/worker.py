@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -113,6 +116,12 @@ def _failed(exc: RequestFailed) -> JSONResponse:
     return _error(503 if isinstance(exc, KVCacheExhausted) else 500, exc.code, str(exc))
 
 
+def _pool_lost() -> None:
+    """Called from the pool client's watch thread when the pool daemon is gone."""
+    logging.getLogger("ember.worker").error("the pool daemon went away: draining and exiting")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
     """Become an instance of ``body["spec"]``'s function (see module docstring)."""
     from gpu_pool.client import PoolClient
@@ -126,7 +135,14 @@ async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
     t_template = time.perf_counter()
 
     def attach() -> tuple[ModelBinding, Any]:
-        client = PoolClient(body["pool_socket"], mapped=state.mapped.get(body["pool_socket"]))
+        socket_path = body["pool_socket"]
+        # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
+        client = PoolClient(socket_path, mapped=state.mapped.get(socket_path), ticket=body.get("pool_ticket"))
+        premapped = state.mapped.get(socket_path)
+        if premapped is not None and premapped.handle != client.arena_handle:
+            # A restarted pool's new arena: drop the old mapping, which alone keeps the old
+            # arena's memory alive.
+            del state.mapped[socket_path]
         try:
             return bind(template, client, int(spec["spec"]["maxTokens"])), client
         except BaseException:
@@ -134,6 +150,10 @@ async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
             raise
 
     binding, client = await asyncio.to_thread(attach)
+    # An instance whose pool died cannot allocate KV or trust its weights' residency: it drains
+    # (SIGTERM: no new connections, in-flight requests finish) and exits, and is started again
+    # on the restarted pool.
+    client.watch(_pool_lost)
     loop = asyncio.get_running_loop()
     driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
     runner = None
@@ -310,8 +330,6 @@ def serve(
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
-    import logging
-    import os
     import socket
     import sys
 

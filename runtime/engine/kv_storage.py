@@ -24,12 +24,14 @@ class PoolBlockSource(BaseBlockSource):
 
     def acquire(self, num_blocks: int) -> list[int] | None:
         from gpu_pool.client import RemotePoolError
-        from gpu_pool.errors import OutOfMemory
+        from gpu_pool.errors import KVQuotaExceeded, OutOfMemory
 
         try:
             blocks = self.client.kv_alloc(num_blocks, self.block_bytes, aligned=True)
         except RemotePoolError as exc:
-            if exc.kind is OutOfMemory:
+            # The arena is full or this instance's KV quota is spent: the scheduler waits or
+            # preempts exactly as when its own blocks run out.
+            if exc.kind in (OutOfMemory, KVQuotaExceeded):
                 return None
             raise
         assert blocks.block_bytes == self.block_bytes
