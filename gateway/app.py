@@ -6,7 +6,9 @@ filled in, the model registered) into the cluster state in Redis. Invocations go
 is a JSON ``{"error": {"type", "message"}}`` mapped to its HTTP status in one place
 (:data:`ERROR_STATUS`): 4xx for client mistakes; 503 (with ``Retry-After``) when a request
 is rejected early or Redis is away; 502 when an instance fails. An API key, when
-configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``.
+configured, is required as ``Authorization: Bearer KEY`` on every route but ``/healthz``
+(liveness) and ``/readyz`` (readiness of Redis, pools and a warm worker: see
+:mod:`gateway.health`; it reveals nothing beyond ready / not ready per component).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Receive, Scope
 
 from gateway.fastpath import InvocationFastPath, read_body
+from gateway.health import Readiness, readyz
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
 from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StateUnavailable
@@ -84,6 +87,7 @@ class Serving:
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(
         default_factory=list
     )  # run while serving
+    readiness: Readiness | None = None  # /readyz's checks beyond Redis (pools, warm workers)
 
 
 log = logging.getLogger("ember.gateway")
@@ -156,6 +160,12 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    default_readiness = Readiness(redis_ping=state.r.ping)
+
+    @app.get("/readyz", include_in_schema=False)
+    async def ready() -> Response:
+        return await readyz(serving.readiness if serving and serving.readiness else default_readiness)
 
     @app.post("/v1/functions", status_code=201, dependencies=auth)
     async def deploy(request: Request) -> dict[str, Any]:
