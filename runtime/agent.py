@@ -452,18 +452,20 @@ class NodeAgent:
     async def _replace_stale(self) -> None:
         """Replace stale pre-warmed workers one at a time: start a fresh one when no start is
         under way, terminate a stale one once the pool holds more than ``prewarm`` (so a launch
-        always finds a worker, and replacements never compete with each other for cores)."""
+        always finds a worker, and replacements never compete with each other for cores). Also
+        tops the pool up to ``prewarm``: workers that started while the pool was down failed."""
         deadline = time.monotonic() + self.config.worker_start_timeout_s
         while time.monotonic() < deadline:
             stale = [w for w in self._warm if w.proc.pid in self._stale]
-            if not stale and not self._stale & set(self._spawning):
+            short = len(self._warm) + self._pending_spawns < self.config.prewarm
+            if not stale and not self._stale & set(self._spawning) and not short:
                 break
             if stale and len(self._warm) > self.config.prewarm:
                 self._warm.remove(stale[0])
                 await self._terminate(stale[0])
                 deadline = time.monotonic() + self.config.worker_start_timeout_s
                 continue
-            if stale and self._pending_spawns == 0:
+            if (stale and self._pending_spawns == 0) or short:  # short: starts failed while it was down
                 self._spawn_in_background()
             await asyncio.sleep(0.2)
         self._stale &= {w.proc.pid for w in self._warm} | set(self._spawning)

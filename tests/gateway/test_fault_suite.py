@@ -184,7 +184,10 @@ def run_fault(
         # A pre-warmed worker may be slow to come up on a busy machine: wait, bounded.
         with contextlib.suppress(AssertionError):
             wait_for(lambda: probe.get("/readyz").status_code == 200, timeout=60, interval=0.2)
-        ready_before = probe.get("/readyz").status_code == 200
+        readyz = probe.get("/readyz")
+        ready_before = readyz.status_code == 200
+        if not ready_before:
+            print(f"  {name}: not ready before the fault: {readyz.json()['components']}")
     dup_before = duplicates(log)
     with Load(server.url, numbers) as load:
         time.sleep(STEADY_S)
