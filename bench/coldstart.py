@@ -334,13 +334,17 @@ def gateway_overhead(b: Bench, worker_url: str, samples: int, gap_s: float = 0.0
     }
 
 
-def evict_all(socket_path: str, weight_bytes: int) -> int:
-    """Evict every inactive tensor; retries until the drained instance's pins are gone."""
+def evict_all(server: ServeProcess, weight_bytes: int) -> int:
+    """Evict every inactive tensor (the gateway's admin route: the pool's admin token stays with
+    the agent); retries until the drained instance's pins are gone."""
     deadline = time.monotonic() + 30.0
     freed = 0
+    headers = {"authorization": f"Bearer {server.api_key}"} if server.api_key else {}
     while True:
-        with PoolClient(socket_path) as pool:
-            freed += pool.evict()
+        reply = httpx.post(f"{server.url}/v1/cluster/evict", headers=headers, timeout=60.0)
+        reply.raise_for_status()
+        freed += int(reply.json()["bytes_evicted"])
+        with PoolClient(server.pool_socket) as pool:
             resident = int(pool.stats()["resident_bytes"])
         if freed >= weight_bytes and resident == 0:
             return freed
@@ -476,7 +480,7 @@ def main() -> None:
             evicted = []
             for _ in range(args.evicted):
                 b.wait_scaled_to_zero(args.prewarm)
-                freed = evict_all(server.pool_socket, weight_bytes)
+                freed = evict_all(server, weight_bytes)
                 sample = b.cold_start(seen)
                 sample["evicted_bytes"] = freed
                 evicted.append(sample)

@@ -7,7 +7,9 @@ is a JSON ``{"error": {"type", "message"}}``: its HTTP status comes from one tab
 (:data:`ERROR_STATUS`), its ``type`` from the error class's ``code``. 4xx for client
 mistakes; 503 (with ``Retry-After``) when a request is rejected early or Redis is away or
 cannot write; 502 when an instance fails. An API key, when configured, is required as
-``Authorization: Bearer KEY`` on every route but ``/healthz`` (documentation included):
+``Authorization: Bearer KEY`` on every route (documentation included) but ``/healthz``
+(liveness) and ``/readyz`` (readiness of Redis, pools and a warm worker: see
+:mod:`gateway.health`; it reveals nothing beyond ready / not ready per component):
 the gateway's own key is the admin's, tenant keys see only their namespace's functions
 (:mod:`gateway.tenants`; an admin picks a namespace with ``?namespace=``).
 Request bodies are bounded in size and read time (:mod:`gateway.limits`); JSON and YAML
@@ -35,6 +37,7 @@ from starlette.types import Receive, Scope
 from gateway.docs import NO_OPEN_DOCS, keyed_docs
 from gateway.fastpath import InvocationFastPath, read_body
 from gateway.function_code import FunctionCodeConfig, split_upload, store_handler
+from gateway.health import Readiness, readyz
 from gateway.limits import BodyLimits, BodyTimeout, BodyTooLarge, EdgeError, EdgeLimits, JSONError, load_json
 from gateway.metrics import Metrics
 from gateway.proxy import BadRequest, InvocationError, Invoker, request_model
@@ -112,6 +115,9 @@ class Serving:
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(
         default_factory=list
     )  # run while serving
+    readiness: Readiness | None = None  # /readyz's checks beyond Redis (pools, warm workers)
+    # Admin: evict inactive tensors of one model id (None: all) from this node's pools; bytes freed.
+    evict: Callable[[str | None], Awaitable[int]] | None = None
 
 
 log = logging.getLogger("ember.gateway")
@@ -191,6 +197,12 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    default_readiness = Readiness(redis_ping=state.r.ping)
+
+    @app.get("/readyz", include_in_schema=False)
+    async def ready() -> Response:
+        return await readyz(serving.readiness if serving and serving.readiness else default_readiness)
+
     @app.post("/v1/functions", status_code=201)
     async def deploy(request: Request, who: Principal = caller) -> dict[str, Any]:
         raw = (await request.body()).decode("utf-8", errors="replace")  # bounded: BodyLimits
@@ -266,6 +278,15 @@ def create_app(
             for i in in_namespace(who, namespace)
         ]
         return {"object": "list", "data": data}
+
+    @app.post("/v1/cluster/evict")
+    async def evict(who: Principal = caller, model: str | None = None) -> dict[str, int]:
+        """Admin: drop inactive tensors (of ``?model=ID``, else all) from this node's pools, so
+        the next start loads them again (benchmarks of cold loads; freeing memory by hand)."""
+        who.require_admin()
+        if serving is None or serving.evict is None:
+            raise BadRequest("this gateway runs no pools")
+        return {"bytes_evicted": await serving.evict(model)}
 
     @app.get("/v1/cluster")
     def cluster(who: Principal = caller) -> dict[str, Any]:

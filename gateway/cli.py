@@ -171,9 +171,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from runtime.registry import load
-    from runtime.supervision import new_token
     from runtime.worker import serve
     from runtime.worker_guard import GuardConfig
+    from runtime.worker_spawn import new_token
     from scheduler.spec import parse_function
 
     try:

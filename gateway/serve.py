@@ -3,8 +3,10 @@
 It starts (or connects to) Redis, the node agent (CPU pool daemon + pre-warmed workers),
 the scheduler's router and reconcile loop, and the gateway on ``host:port``. It writes
 ``EMBER_HOME/serve.json`` (URL and API key) so the other CLI verbs find it, and prints
-one readiness line. Settings come from flags, then ``EMBER_*`` variables; bad values fail
-loudly. A non-loopback address needs an API key: one is generated when none is given.
+one readiness line. The embedded redis-server and the pool daemons are supervised: restarted
+with exponential backoff when they die (``runtime.supervisor``). Settings come from flags,
+then ``EMBER_*`` variables; bad values fail loudly. A non-loopback address needs an API
+key: one is generated when none is given.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
+from gateway.health import Readiness
 from gateway.http_server import server_config
 from gateway.limits import EdgeLimits
 from gateway.metrics import Metrics
@@ -109,6 +112,7 @@ async def serve(config: ServeConfig) -> None:
     from runtime.agent import AgentConfig, NodeAgent
     from runtime.errors import EmberRuntimeError
     from runtime.process import die_with_parent
+    from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
@@ -131,14 +135,23 @@ async def serve(config: ServeConfig) -> None:
     except BlockingIOError:
         lock.close()
         raise ServeError(f"another `ember serve` is running with EMBER_HOME={config.home}") from None
+    restart = RestartConfig.from_env()
+    spawner = SpawnThread("ember-redis-spawn")  # restarts fork from here: see die_with_parent
+    background: list[Any] = []
     redis_server = None
     if config.redis_url is None:
         redis_server = EmbeddedRedis(config.home / "redis", preexec_fn=die_with_parent())
         redis_server.start()  # from this (long-lived) thread: see die_with_parent
+        child = ThreadRestarted("redis-server", redis_server, spawner)
+        background.append(lambda: supervise(child, restart))
     state = ClusterState.from_url(config.redis_url or redis_server.url)  # type: ignore[union-attr]
     agent = NodeAgent(
         AgentConfig(
-            home=config.home, arena_bytes=config.arena_bytes, prewarm=config.prewarm, node=config.node
+            home=config.home,
+            arena_bytes=config.arena_bytes,
+            prewarm=config.prewarm,
+            node=config.node,
+            restart=restart,
         ),
         report=state.report_device,
     )
@@ -168,7 +181,11 @@ async def serve(config: ServeConfig) -> None:
             if record.get("model"):
                 agent.adopt_template(record["model"]["dir"])
         await agent.start()
-        app = create_app(state, gateway_config, Serving(register, router, invoker, metrics, [router.run]))
+        readiness = Readiness(state.r.ping, agent.pools_alive, agent.warm_ready)
+        serving = Serving(
+            register, router, invoker, metrics, [router.run, *background], readiness, agent.evict
+        )
+        app = create_app(state, gateway_config, serving)
         # IPPROTO_TCP, not 0: only then does asyncio set TCP_NODELAY on accepted connections;
         # without it every response's second write waits ~40 ms for a delayed ACK (Nagle).
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
@@ -209,6 +226,7 @@ async def serve(config: ServeConfig) -> None:
         state.close()
         if redis_server is not None:
             await asyncio.to_thread(redis_server.stop)
+        await asyncio.to_thread(spawner.close)
         lock.close()  # last: the next `ember serve` may start once everything above is down
 
 

