@@ -232,20 +232,16 @@ class NodeAgent:
         await self._wait_for_pool(device, deadline)
         if model["dir"] not in self._templates:
             self._templates.add(model["dir"])
-        quota = await asyncio.to_thread(
-            self._kv_quota, model["dir"], int(spec["spec"]["scaling"]["concurrency"])
-        )
-        body = {
-            "instance_id": instance_id,
-            "spec": spec,
-            "model_dir": model["dir"],
-            "pool_socket": self.pools[device].socket_path,
-            "pool_ticket": await asyncio.to_thread(self._grant, device, quota),
-            "deadline": deadline,
-        }
+        body: dict[str, Any] | None = None
         for attempt in range(self.config.prewarm + 1):
             worker = await self._take_warm()
             self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
+            if body is None:  # once a worker is there (a start that backs off fails first)
+                try:
+                    body = await self._assign_body(instance_id, spec, model, device, deadline)
+                except BaseException:
+                    self._warm.insert(0, worker)  # unused: the next launch takes it
+                    raise
             try:
                 url = f"{worker.url}/_ember/assign"
                 resp = await self._http.post(url, json=body, headers=worker.headers)
@@ -280,6 +276,21 @@ class NodeAgent:
             {k: round(float(v), 3) for k, v in data["timings_ms"].items()}, str(log_path), worker.token,
         )  # fmt: skip
 
+    async def _assign_body(
+        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device: str, deadline: float
+    ) -> dict[str, Any]:
+        """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
+        concurrency = int(spec["spec"]["scaling"]["concurrency"])
+        quota = await asyncio.to_thread(self._kv_quota, model["dir"], concurrency)
+        return {
+            "instance_id": instance_id,
+            "spec": spec,
+            "model_dir": model["dir"],
+            "pool_socket": self.pools[device].socket_path,
+            "pool_ticket": await asyncio.to_thread(self._grant, device, quota),
+            "deadline": deadline,
+        }
+
     def _kv_quota(self, model_dir: str, concurrency: int) -> int:
         """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
         from runtime.kv_quota import instance_kv_quota
@@ -309,6 +320,8 @@ class NodeAgent:
 
         def evict_one(socket_path: str, token: str) -> int:
             with PoolClient(socket_path, timeout=30.0, admin_token=token) as client:
+                if model_id is not None and model_id not in client.stats()["models"]:
+                    return 0  # nothing of it resident in this pool
                 return client.evict(model_id)
 
         freed = 0

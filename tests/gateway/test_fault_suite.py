@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.function_code import with_handler_module
 from gateway.spawn import ServeProcess
 from tests.gateway.conftest import chat_spec, instances, wait_for
 from tests.gateway.procs import child_pids, kill
@@ -238,9 +239,10 @@ def test_fault_suite(serve: tuple[ServeProcess, Path], tmp_path: Path) -> None:
     module = tmp_path / "echo_handler.py"
     module.write_text(HANDLER.format(log=str(log)))
     echo = chat_spec("echo", keep_alive="60s", max_scale=2, concurrency=8)
-    echo["spec"]["handler"] = f"{module}:handler"
+    echo["spec"]["handler"] = f"{module.name}:handler"
+    upload = with_handler_module(echo, tmp_path / "function.yaml")  # as `ember deploy -f` sends it
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        for document in (chat_spec("chat", keep_alive="60s", max_scale=2, concurrency=8), echo):
+        for document in (chat_spec("chat", keep_alive="60s", max_scale=2, concurrency=8), upload):
             assert http.post("/v1/functions", json=document).status_code == 201
         assert chat_once(http) == "ok" and echo_once(http, -1) == "ok"  # both instances up
 
