@@ -41,6 +41,7 @@ import httpx
 
 from runtime.errors import EmberRuntimeError
 from runtime.process import boost, die_with_parent
+from runtime.sandbox import SandboxConfig, temp_dir
 from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
 from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
@@ -65,6 +66,7 @@ class AgentConfig:
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read EMBER_HOME
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:
@@ -457,6 +459,13 @@ class NodeAgent:
         for pool in self.pools.values():
             args += ["--premap", pool.socket_path]
         args += ["--max-body-bytes", str(self.config.worker_max_body_bytes)]
+        env = worker_environment(os.environ)  # function code inherits no secret
+        if self.config.sandbox.enabled:
+            args += ["--sandbox-home", str(self.config.home)]
+            if self.config.sandbox.required:
+                args.append("--require-sandbox")
+            # Temporary files go where the sandboxed worker can read them back (not /tmp).
+            env["TMPDIR"] = str(temp_dir(self.config.home))
         token = new_token()
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
@@ -464,7 +473,7 @@ class NodeAgent:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 stdin=asyncio.subprocess.PIPE,
-                env=worker_environment(os.environ),  # function code inherits no secret
+                env=env,
             )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
