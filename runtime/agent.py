@@ -14,13 +14,14 @@ the pre-warmed workers that mapped the dead arena are replaced. The agent satisf
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
 Each worker gets its own credential (:mod:`runtime.worker_spawn`: over stdin, with an
-environment stripped of secrets); the agent sends it on ``/_ember/*`` and returns it in
-:class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
-when a function is handed to it (its port refuses the connection: nothing was delivered) is
-discarded and another one taken. Workers that keep failing to start are retried with capped
-exponential backoff, shown in the device report (``worker_failures``, ``backoff_s``,
-``last_worker_error``); after two failures in a row a launch fails at once with the last
-error while the next try waits.
+environment stripped of secrets, ``TMPDIR`` set to ``EMBER_HOME/tmp``, and confined by
+:mod:`runtime.sandbox` unless ``EMBER_WORKER_SANDBOX=off``); the agent sends it on
+``/_ember/*`` and returns it in :class:`InstanceStart` so the gateway can reach the
+instance. A pre-warmed worker found dead when a function is handed to it (its port refuses
+the connection: nothing was delivered) is discarded and another one taken. Workers that
+keep failing to start are retried with capped exponential backoff, shown in the device
+report (``worker_failures``, ``backoff_s``, ``last_worker_error``); after two failures in a
+row a launch fails at once with the last error while the next try waits.
 """
 
 from __future__ import annotations
