@@ -85,6 +85,7 @@ class ServeConfig:
         ``EMBER_HANDLER_ROOTS`` checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
+        from runtime.sandbox import SandboxConfig
         from runtime.sources import SourceRoots
 
         env = os.environ
@@ -103,6 +104,7 @@ class ServeConfig:
         values["redis_url"] = with_password(values.get("redis_url"), env.get(PASSWORD_ENV))
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
         SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
+        SandboxConfig.from_env()  # ... or EMBER_WORKER_SANDBOX / EMBER_REQUIRE_SANDBOX
         return cls(**values)
 
 
@@ -112,6 +114,7 @@ async def serve(config: ServeConfig) -> None:
     from runtime.agent import AgentConfig, NodeAgent
     from runtime.errors import EmberRuntimeError
     from runtime.process import die_with_parent
+    from runtime.sandbox import SandboxConfig
     from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
@@ -152,6 +155,7 @@ async def serve(config: ServeConfig) -> None:
             prewarm=config.prewarm,
             node=config.node,
             restart=restart,
+            sandbox=SandboxConfig.from_env(),
         ),
         report=state.report_device,
     )

@@ -4,5 +4,7 @@ weights and KV blocks from ``gpu_pool.client``. Today it holds model registratio
 (:mod:`runtime.registry`: GGUF, safetensors and ``pkg:`` sources into the model store);
 the engine and workers are built by the inference-engine and serving issues.
 :mod:`runtime.supervisor` restarts dead children (pool daemons, the embedded redis-server)
-with exponential backoff.
+with exponential backoff. :mod:`runtime.sandbox` confines each worker the agent starts with
+Landlock, so handler code cannot read ``EMBER_HOME`` beyond ``models/``, ``functions/``
+and ``tmp/`` (no ``serve.json``, Redis files or logs).
 """

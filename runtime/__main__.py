@@ -1,7 +1,9 @@
 """``python -m runtime``: a worker process (what the node agent starts for its pre-warmed pool).
 
 The worker's credential is the first line of its stdin (the agent writes it there: argv and
-the environment are readable by other processes through ``/proc``).
+the environment are readable by other processes through ``/proc``). With ``--sandbox-home``
+the worker confines its reads with Landlock (:mod:`runtime.sandbox`) first thing, while it
+has a single thread and before torch is imported, so no handler code ever runs unconfined.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413"
     )
+    parser.add_argument(
+        "--sandbox-home",
+        default=None,
+        help="EMBER_HOME to hide from handlers (Landlock; see runtime.sandbox)",
+    )
+    parser.add_argument(
+        "--require-sandbox", action="store_true", help="refuse to start where Landlock is unavailable"
+    )
     args = parser.parse_args(argv)
     try:
         guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
@@ -31,6 +41,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
+    if args.sandbox_home is not None:
+        from pathlib import Path
+
+        from runtime.sandbox import SandboxConfig, SandboxError, apply
+
+        try:
+            report = apply(Path(args.sandbox_home), SandboxConfig(required=args.require_sandbox))
+        except SandboxError as exc:
+            print(f"worker sandbox: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(f"worker sandbox: {report}", file=sys.stderr, flush=True)  # the worker's log
     set_idle_priority(True)  # until assigned: import and warm up only on cores instances leave free
     import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)
     from runtime.worker import serve

@@ -14,13 +14,14 @@ the pre-warmed workers that mapped the dead arena are replaced. The agent satisf
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
 Each worker gets its own credential (:mod:`runtime.worker_spawn`: over stdin, with an
-environment stripped of secrets); the agent sends it on ``/_ember/*`` and returns it in
-:class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
-when a function is handed to it (its port refuses the connection: nothing was delivered) is
-discarded and another one taken. Workers that keep failing to start are retried with capped
-exponential backoff, shown in the device report (``worker_failures``, ``backoff_s``,
-``last_worker_error``); after two failures in a row a launch fails at once with the last
-error while the next try waits.
+environment stripped of secrets, ``TMPDIR`` set to ``EMBER_HOME/tmp``, and confined by
+:mod:`runtime.sandbox` unless ``EMBER_WORKER_SANDBOX=off``); the agent sends it on
+``/_ember/*`` and returns it in :class:`InstanceStart` so the gateway can reach the
+instance. A pre-warmed worker found dead when a function is handed to it (its port refuses
+the connection: nothing was delivered) is discarded and another one taken. Workers that
+keep failing to start are retried with capped exponential backoff, shown in the device
+report (``worker_failures``, ``backoff_s``, ``last_worker_error``); after two failures in a
+row a launch fails at once with the last error while the next try waits.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import httpx
 
 from runtime.errors import EmberRuntimeError
 from runtime.process import boost, die_with_parent
+from runtime.sandbox import SandboxConfig, temp_dir
 from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
 from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
@@ -65,6 +67,7 @@ class AgentConfig:
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read EMBER_HOME
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:
@@ -457,6 +460,13 @@ class NodeAgent:
         for pool in self.pools.values():
             args += ["--premap", pool.socket_path]
         args += ["--max-body-bytes", str(self.config.worker_max_body_bytes)]
+        env = worker_environment(os.environ)  # function code inherits no secret
+        if self.config.sandbox.enabled:
+            args += ["--sandbox-home", str(self.config.home)]
+            if self.config.sandbox.required:
+                args.append("--require-sandbox")
+            # Temporary files go where the sandboxed worker can read them back (not /tmp).
+            env["TMPDIR"] = str(temp_dir(self.config.home))
         token = new_token()
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
@@ -464,7 +474,7 @@ class NodeAgent:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 stdin=asyncio.subprocess.PIPE,
-                env=worker_environment(os.environ),  # function code inherits no secret
+                env=env,
             )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
