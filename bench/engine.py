@@ -25,8 +25,9 @@ from tokenizers import Tokenizer
 
 from gpu_pool.client import PoolClient
 from gpu_pool.spawn import running_pool
+from runtime.engine.build import PoolKV, PrivateKV, build_engine
 from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes, private_kv
+from runtime.engine.kv_storage import kv_block_bytes
 from runtime.engine.sampling import SamplingParams
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, models_dir, register
@@ -82,8 +83,7 @@ def pool_engine(client: PoolClient, reg: RegisteredModel, tok: Tokenizer, dtype:
     config = LlamaConfig.from_hf(reg.config)
     model = LlamaModel(config, client.acquire(reg.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, dtype)
-    kv = arena_kv_view(client.kv_arena(), config, BLOCK, dtype, block_bytes)
-    return Engine(model, tok, kv, PoolBlockSource(client, block_bytes), {2}, EngineConfig(BLOCK))
+    return build_engine(model, tok, {2}, PoolKV(client, block_bytes), dtype, EngineConfig(BLOCK))
 
 
 def main() -> None:
@@ -117,11 +117,10 @@ def main() -> None:
                     engine = pool_engine(client, regs[name], tok, dtype)
                     ours1 = statistics.median(decode_rate(engine, prompt, 1, tokens) for _ in range(REPEATS))
                     if name == "float32":
-                        config = LlamaConfig.from_hf(regs[name].config)
-                        kv, source = private_kv(
-                            config, BLOCK, dtype, 16 * (-(-(len(prompt) + tokens) // BLOCK)) + 8
+                        num_blocks = 16 * (-(-(len(prompt) + tokens) // BLOCK)) + 8
+                        contiguous = build_engine(
+                            engine.runner.model, tok, {2}, PrivateKV(num_blocks), dtype, EngineConfig(BLOCK)
                         )
-                        contiguous = Engine(engine.runner.model, tok, kv, source, {2}, EngineConfig(BLOCK))
                         pairs = [  # interleaved, so drift on the machine hits both alike
                             (
                                 decode_rate(engine, prompt, 16, tokens),
@@ -153,8 +152,7 @@ def main() -> None:
                 config = LlamaConfig.from_hf(regs["float32"].config)
                 model = LlamaModel(config, client.acquire(manifest))
                 block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
-                kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch.float32, block_bytes)
-                Engine(model, tok, kv, PoolBlockSource(client, block_bytes), {2}, EngineConfig(BLOCK))
+                build_engine(model, tok, {2}, PoolKV(client, block_bytes), torch.float32, EngineConfig(BLOCK))
                 starts.append(time.perf_counter() - t0)
                 client.close()
             out["engine_start_ms_p50"] = round(statistics.median(starts) * 1e3, 2)

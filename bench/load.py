@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from gpu_pool import store
-from gpu_pool.arena_cpu import CpuArena
+from gpu_pool.arena.cpu import CpuArena
 from gpu_pool.manifest import Manifest
-from gpu_pool.reuse_store import ReuseStore
+from gpu_pool.server.reuse_store import ReuseStore
 
 
 def make_model(root: Path, total_bytes: int) -> Manifest:

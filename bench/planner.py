@@ -2,13 +2,13 @@
 
 Tangram reports that its loading decision (Minimal-Cost Eviction order + Partitioned-Gain
 Packing) adds under 1 ms per model switch. This benchmark builds a realistic fragmented
-region list and times the two parts of the decision that :class:`gpu_pool.reuse_store.
+region list and times the two parts of the decision that :class:`gpu_pool.server.reuse_store.
 ReuseStore` runs on every acquire:
 
-* :func:`gpu_pool.eviction.eviction_order` with MCE over every inactive resident tensor
+* :func:`gpu_pool.planner.eviction.eviction_order` with MCE over every inactive resident tensor
   (``--resident``, default 1,000 candidates), and
-* :func:`gpu_pool.allocator.plan` with ``PackingPolicy.PGP`` on the default engine (the C
-  planner, ``gpu_pool/csrc/``), from the region list as the store passes it.
+* :func:`gpu_pool.planner.allocator.plan` with ``PackingPolicy.PGP`` on the default engine (the C
+  planner, ``gpu_pool/planner/csrc/``), from the region list as the store passes it.
 
 The arena is built from chunks of real LLM manifests (Llama/Qwen/Phi-like shapes, fp16,
 256-byte aligned): runs of inactive tensors of ~14 models, free gaps left by evicted
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from gpu_pool.allocator import (
+from gpu_pool.planner.allocator import (
     PackingPolicy,
     Plan,
     PlannerEngine,
@@ -59,8 +59,8 @@ from gpu_pool.allocator import (
     place_direct,
     plan,
 )
-from gpu_pool.eviction import EvictionCandidate, EvictionPolicy, ModelCostInputs, eviction_order
-from gpu_pool.regions import Region, RegionKind, align_up, build_region_list
+from gpu_pool.planner.eviction import EvictionCandidate, EvictionPolicy, ModelCostInputs, eviction_order
+from gpu_pool.planner.regions import Region, RegionKind, align_up, build_region_list
 
 MiB = 1 << 20
 GiB = 1 << 30

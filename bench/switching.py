@@ -3,7 +3,7 @@
 Tangram's Figure 10 (§5.4.1) compares loading policies on a serverless trace: Minimal-Cost
 Eviction (MCE) keeps more valuable tensors than random eviction, and Partitioned-Gain
 Packing (PGP) cuts the merge (move) overhead of Global Merge (GM) by 93 %. This benchmark
-replays one synthetic trace through :class:`gpu_pool.reuse_store.ReuseStore` under five
+replays one synthetic trace through :class:`gpu_pool.server.reuse_store.ReuseStore` under five
 configurations (MCE+PGP = Tangram, MCE+GM, RANDOM+GM, LRU+PGP, RANDOM+PGP) and reports
 the planner's decisions: bytes moved inside the arena, bytes loaded (and reloaded), the
 acquires that needed moves, evictions and out-of-memory failures.
@@ -73,13 +73,13 @@ from typing import Any
 
 import xxhash
 
-from gpu_pool.allocator import PackingPolicy, Plan, TensorRequest, plan
-from gpu_pool.arena import BaseArena, CopyJob
+from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.errors import OutOfMemory
-from gpu_pool.eviction import EvictionPolicy
 from gpu_pool.manifest import Manifest, TensorEntry
-from gpu_pool.regions import free_bytes
-from gpu_pool.reuse_store import ReuseStore, StoreConfig
+from gpu_pool.planner.allocator import PackingPolicy, Plan, TensorRequest, plan
+from gpu_pool.planner.eviction import EvictionPolicy
+from gpu_pool.planner.regions import free_bytes
+from gpu_pool.server.reuse_store import ReuseStore, StoreConfig
 
 MiB = 1 << 20
 GiB = 1 << 30

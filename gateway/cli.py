@@ -143,8 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pool(args: argparse.Namespace) -> int:
-    from gpu_pool.cli import config_from_args
-    from gpu_pool.daemon import run
+    from gpu_pool.cli import config_from_args, run
     from gpu_pool.errors import ConfigError
 
     try:

@@ -1,4 +1,4 @@
-"""Type stub of the C extension built from gpu_pool/_planner.c."""
+"""Type stub of the C extension built from gpu_pool/planner/csrc/."""
 
 from collections.abc import Sequence
 

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PoolConfig:
     """Merge flags over the environment."""
-    from gpu_pool.allocator import PackingPolicy
-    from gpu_pool.eviction import EvictionPolicy
+    from gpu_pool.planner.allocator import PackingPolicy
+    from gpu_pool.planner.eviction import EvictionPolicy
 
     return PoolConfig.from_env(
         device=args.device,
@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ember pool: {exc}", file=sys.stderr)
         return 2
-    from gpu_pool.daemon import run
-
     return run(config)
+
+
+def run(config: PoolConfig) -> int:
+    """Run the daemon with ``config`` until SIGTERM/SIGINT; returns the exit status."""
+    from gpu_pool.server.daemon import run as run_daemon
+
+    return run_daemon(config)

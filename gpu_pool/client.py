@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool import fdpass, mapping
+from gpu_pool.arena import mapping
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
 from gpu_pool.manifest import Manifest
-from gpu_pool.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
+from gpu_pool.wire import fdpass
+from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
     import torch
@@ -297,7 +298,7 @@ class PoolClient:
         return reply
 
     def _request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
-        """One request; the reply and the descriptors sent after it (see gpu_pool.fdpass)."""
+        """One request; the reply and the descriptors sent after it (see gpu_pool.wire.fdpass)."""
         request_id = next(self._ids)
         fds: list[int] = []
         try:

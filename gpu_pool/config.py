@@ -3,10 +3,10 @@
 Sizes accept suffixes (``512MiB``, ``4GiB``, ``1.5GB``, plain bytes). Every bad value fails
 loudly with the name of the setting. ``store_roots`` (``--store DIR``, repeatable, or
 ``EMBER_POOL_STORE=DIR[:DIR...]``) are the model store directories the daemon trusts: it loads
-tensor bytes only from store entries under them (see :mod:`gpu_pool.trust`).
+tensor bytes only from store entries under them (see :mod:`gpu_pool.store.trust`).
 ``admin_token`` (``--admin-token-file`` / ``EMBER_POOL_ADMIN_TOKEN``) and ``session_kv_quota``
 (``--session-kv-quota`` / ``EMBER_POOL_SESSION_KV_QUOTA``: a size or ``unlimited``) configure
-admin sessions and KV quotas (see :mod:`gpu_pool.access`).
+admin sessions and KV quotas (see :mod:`gpu_pool.server.access`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from gpu_pool.allocator import PackingPolicy
 from gpu_pool.errors import ConfigError
-from gpu_pool.eviction import EvictionPolicy
-from gpu_pool.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from gpu_pool.planner.allocator import PackingPolicy
+from gpu_pool.planner.eviction import EvictionPolicy
+from gpu_pool.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 _UNITS = {
     "": 1,

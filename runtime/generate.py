@@ -14,8 +14,9 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.chat import render_chat
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes
+from runtime.engine.build import PoolKV, build_engine
+from runtime.engine.engine import EngineConfig
+from runtime.engine.kv_storage import kv_block_bytes
 from runtime.engine.sampling import SamplingParams
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, register
@@ -78,9 +79,8 @@ def generate(
     arena = manifest.nbytes + kv_blocks * block_bytes + (64 << 20)
     with private_pool(arena, model_reg.store_path) as sock, PoolClient(sock) as client:
         model = LlamaModel(config, client.acquire(manifest))
-        kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch_dtype, block_bytes)
-        engine = Engine(
-            model, tok, kv, PoolBlockSource(client, block_bytes), eos_ids(model_reg, tok), EngineConfig(BLOCK)
+        engine = build_engine(
+            model, tok, eos_ids(model_reg, tok), PoolKV(client, block_bytes), torch_dtype, EngineConfig(BLOCK)
         )
         seq_id = engine.add_request(ids, params)
         while engine.has_unfinished():

@@ -69,7 +69,7 @@ def warm_up(
     """
     import torch
 
-    from runtime.engine.kv_storage import private_kv
+    from runtime.engine.build import PrivateKV, build_engine
     from runtime.models.llama import LlamaConfig, LlamaModel
 
     t0 = time.perf_counter()
@@ -79,9 +79,14 @@ def warm_up(
     config = LlamaConfig.from_hf(template.model.config)
     block_size = template.profile["block_size"]
     num_blocks = -(-(max(prompt_lengths) + decode_steps) // block_size) * len(prompt_lengths)
-    kv, source = private_kv(config, block_size, dtype, num_blocks)
-    engine = Engine(LlamaModel(config, weights), template.tokenizer, kv, source, set(template.eos_ids),
-                    EngineConfig(block_size))  # fmt: skip
+    engine = build_engine(
+        LlamaModel(config, weights),
+        template.tokenizer,
+        template.eos_ids,
+        PrivateKV(num_blocks),
+        dtype,
+        EngineConfig(block_size),
+    )
     params = SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True)
     for n in prompt_lengths:  # one at a time, then all together (batched decode)
         engine.generate([[1] * n], params)
@@ -154,7 +159,7 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
     """
     import torch
 
-    from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view
+    from runtime.engine.build import PoolKV, build_engine
     from runtime.models.llama import LlamaConfig, LlamaModel
 
     timings: dict[str, float] = {}
@@ -165,14 +170,12 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
     timings["acquire_ms"] = (t1 - t0) * 1e3
     config = LlamaConfig.from_hf(template.model.config)
     dtype = getattr(torch, profile["kv_dtype"])
-    llama = LlamaModel(config, tensors)
-    kv = arena_kv_view(client.kv_arena(), config, profile["block_size"], dtype, profile["kv_block_bytes"])
-    engine = Engine(
-        llama,
+    engine = build_engine(
+        LlamaModel(config, tensors),
         template.tokenizer,
-        kv,
-        PoolBlockSource(client, profile["kv_block_bytes"]),
-        set(template.eos_ids),
+        template.eos_ids,
+        PoolKV(client, profile["kv_block_bytes"]),
+        dtype,
         EngineConfig(profile["block_size"]),
     )
     timings["build_ms"] = (time.perf_counter() - t1) * 1e3

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpu_pool.cuda_backend import require_cupy, require_device
 from gpu_pool.errors import BackendUnavailable
-from gpu_pool.kernels import require_cupy, require_device
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from gpu_pool.regions import Region, RegionKind, build_region_list
+from gpu_pool.planner.regions import Region, RegionKind, build_region_list
 
 UNIT = 256
 KINDS = ("free", "free", "movable", "movable", "pinned", "kv")

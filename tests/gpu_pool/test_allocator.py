@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_pool import packing
-from gpu_pool.allocator import (
+from gpu_pool.errors import OutOfMemory
+from gpu_pool.planner import packing
+from gpu_pool.planner.allocator import (
     MergeCosts,
     PackingPolicy,
     PlannerEngine,
@@ -19,9 +20,8 @@ from gpu_pool.allocator import (
     plan,
     plan_kv,
 )
-from gpu_pool.errors import OutOfMemory
-from gpu_pool.packing import _try_packing, runs_of
-from gpu_pool.regions import Region, RegionKind, build_region_list
+from gpu_pool.planner.packing import _try_packing, runs_of
+from gpu_pool.planner.regions import Region, RegionKind, build_region_list
 from tests.gpu_pool.arenas import UNIT, arenas
 
 

@@ -23,12 +23,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_pool import kernels
-from gpu_pool.arena import CopyJob
-from gpu_pool.arena_cuda import CudaArena, attach_cuda
+from gpu_pool.arena import kernels
+from gpu_pool.arena.base import CopyJob
+from gpu_pool.arena.cuda import CudaArena, attach_cuda
+from gpu_pool.arena.host_cache import CacheKey, HostCacheIndex, PinnedBuffer, PinnedHostCache
+from gpu_pool.arena.loader import group_copies
 from gpu_pool.errors import BackendUnavailable, LoadError
-from gpu_pool.host_cache import CacheKey, HostCacheIndex, PinnedBuffer, PinnedHostCache
-from gpu_pool.loader import group_copies
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -228,7 +228,7 @@ def test_modules_import_without_touching_cupy() -> None:
         """
         import sys
         sys.modules["cupy"] = None  # any "import cupy" now fails
-        import gpu_pool.arena_cuda, gpu_pool.kernels, gpu_pool.host_cache
+        import gpu_pool.arena.cuda, gpu_pool.arena.kernels, gpu_pool.arena.host_cache
         print("ok")
         """
     )
@@ -366,7 +366,7 @@ def test_gpu_load_and_host_cache(cupy_device: Any, tmp_path: Path) -> None:
 _CUPY_CLIENT = """
 import hashlib, sys
 import cupy
-from gpu_pool.arena_cuda import _ipc_registry
+from gpu_pool.arena.cuda import _ipc_registry
 
 size, raw, offset, nbytes = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 with cupy.cuda.Device(0):
@@ -382,7 +382,7 @@ with cupy.cuda.Device(0):
 _TORCH_CLIENT = """
 import hashlib, sys
 import torch
-from gpu_pool.arena_cuda import attach_cuda
+from gpu_pool.arena.cuda import attach_cuda
 
 size, raw, offset, nbytes = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 handle = {"kind": "cuda_ipc", "device": 0, "size": size, "ipc_handle": raw}

@@ -41,7 +41,7 @@ def _need_cuda() -> None:
 class CudaReuseStoreMachine(ReuseStoreMachine):
     @staticmethod
     def make_arena(capacity: int):  # type: ignore[no-untyped-def]
-        from gpu_pool.arena_cuda import CudaArena
+        from gpu_pool.arena.cuda import CudaArena
 
         return CudaArena(0, capacity, host_cache_bytes=1 << 20)
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_pool import _planner
-from gpu_pool.eviction import (
+from gpu_pool.planner.eviction import (
     EvictionCandidate,
     EvictionPolicy,
     ModelCostInputs,

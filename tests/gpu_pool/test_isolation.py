@@ -24,8 +24,8 @@ import pytest
 from gpu_pool.client import PoolClient, RemotePoolError, premap
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, Forbidden, KVQuotaExceeded
-from gpu_pool.hardening import make_undumpable
 from gpu_pool.manifest import Manifest
+from gpu_pool.server.hardening import make_undumpable
 from gpu_pool.spawn import PoolProcess as SpawnedPool
 from tests.conftest import PoolProcess, random_tensors, write_entry
 

@@ -1,4 +1,4 @@
-"""The C planner (gpu_pool/csrc/) against its Python reference: identical plans.
+"""The C planner (gpu_pool/planner/csrc/) against its Python reference: identical plans.
 
 Soundness of the plans themselves (no overlaps, fixed regions stay, bounded moves) is
 property-tested for both engines in test_allocator.py; here every decision must match the
@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.planner import build_scenarios
-from gpu_pool import _planner, native_planner
-from gpu_pool.allocator import MergeCosts, PackingPolicy, Plan, PlannerEngine, TensorRequest, plan
+from gpu_pool import _planner
 from gpu_pool.errors import OutOfMemory
-from gpu_pool.eviction import EvictionPolicy, eviction_order
-from gpu_pool.plan_types import Move
-from gpu_pool.regions import Region, RegionKind, build_region_list
+from gpu_pool.planner import native_planner
+from gpu_pool.planner.allocator import MergeCosts, PackingPolicy, Plan, PlannerEngine, TensorRequest, plan
+from gpu_pool.planner.eviction import EvictionPolicy, eviction_order
+from gpu_pool.planner.plan_types import Move
+from gpu_pool.planner.regions import Region, RegionKind, build_region_list
 from tests.gpu_pool.arenas import KINDS, UNIT, arenas
 
 

@@ -17,14 +17,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gpu_pool.allocator import PackingPolicy, full_compaction_bytes
-from gpu_pool.arena_cpu import CpuArena
+from gpu_pool.arena.cpu import CpuArena
 from gpu_pool.errors import LoadError, OutOfMemory, SessionError
-from gpu_pool.eviction import EvictionPolicy
-from gpu_pool.fingerprint import fingerprint
 from gpu_pool.manifest import Manifest
-from gpu_pool.regions import RegionKind, align_up
-from gpu_pool.reuse_store import ReuseStore, StoreConfig
+from gpu_pool.planner.allocator import PackingPolicy, full_compaction_bytes
+from gpu_pool.planner.eviction import EvictionPolicy
+from gpu_pool.planner.regions import RegionKind, align_up
+from gpu_pool.server.reuse_store import ReuseStore, StoreConfig
+from gpu_pool.store.fingerprint import fingerprint
 from tests.conftest import random_tensors, write_entry
 
 ARENA_BYTES = 3 << 20

@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_pool import store
-from gpu_pool.arena import CopyJob
-from gpu_pool.arena_cpu import ARENA_SEALS, CpuArena
+from gpu_pool.arena.base import CopyJob
+from gpu_pool.arena.cpu import ARENA_SEALS, CpuArena
+from gpu_pool.arena.loader import coalesce, group_copies
 from gpu_pool.config import PoolConfig, parse_size
 from gpu_pool.errors import ConfigError, LoadError, ManifestError
-from gpu_pool.eviction import DecayedCountRateEstimator
-from gpu_pool.fingerprint import fingerprint
-from gpu_pool.loader import coalesce, group_copies
 from gpu_pool.manifest import Manifest
+from gpu_pool.planner.eviction import DecayedCountRateEstimator
+from gpu_pool.store.fingerprint import fingerprint
 
 
 def test_write_records_offsets_and_fingerprints(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The daemon loads only bytes its trusted model store vouches for (gpu_pool.trust).
+"""The daemon loads only bytes its trusted model store vouches for (gpu_pool.store.trust).
 
 Process tests run a real daemon and real clients over its socket; the cache tests drive
 :class:`StoreTrust` in-process against real store entries on disk.
@@ -25,7 +25,7 @@ from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, ManifestError, UntrustedManifest
 from gpu_pool.manifest import Manifest, TensorEntry
 from gpu_pool.spawn import PoolProcess as SpawnedPool
-from gpu_pool.trust import RACY_WINDOW_NS, StoreTrust
+from gpu_pool.store.trust import RACY_WINDOW_NS, StoreTrust
 from tests.conftest import PoolProcess, random_tensors, write_entry
 
 SIZES = [1000, 250_000, 7, 4096]

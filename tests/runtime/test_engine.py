@@ -10,8 +10,9 @@ import torch
 from tokenizers import Tokenizer
 
 from gpu_pool.client import PoolClient
+from runtime.engine.build import PoolKV, PrivateKV, build_engine
 from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, kv_block_bytes, private_kv
+from runtime.engine.kv_storage import kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.engine.sequence import FinishReason
@@ -43,15 +44,14 @@ def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_
     config = LlamaConfig.from_hf(tiny.config)
     model = LlamaModel(config, client.acquire(tiny.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
-    kv = arena_kv_view(client.kv_arena(), config, BLOCK, torch.float32, block_bytes)
     tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
-    return Engine(
+    return build_engine(
         model,
         tok,
-        kv,
-        PoolBlockSource(client, block_bytes),
-        eos_ids={2},
-        config=EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs)),
+        {2},
+        PoolKV(client, block_bytes),
+        torch.float32,
+        EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs)),
     )
 
 
@@ -137,11 +137,9 @@ def test_contiguous_mode_gives_the_same_tokens(tiny: RegisteredModel, pool: Pool
     with PoolClient(pool.socket_path) as client:
         paged = make_engine(tiny, client)
         expected = [s.output_ids for s in paged.generate(prompts(4), GREEDY)]
-        kv, source = private_kv(config, BLOCK, torch.float32, 64)
         tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
-        contiguous = Engine(
-            LlamaModel(config, client.acquire(tiny.manifest())), tok, kv, source, {2}, EngineConfig(BLOCK)
-        )
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+        contiguous = build_engine(model, tok, {2}, PrivateKV(64), torch.float32, EngineConfig(BLOCK))
         assert [s.output_ids for s in contiguous.generate(prompts(4), GREEDY)] == expected
 
 
@@ -293,11 +291,10 @@ def test_earliest_stop_string_wins(tiny: RegisteredModel, pool: PoolProcess) -> 
 def private_kv_engine(tiny: RegisteredModel, pool: PoolProcess, num_blocks: int) -> Engine:
     """An engine over pool weights with a private KV of ``num_blocks`` blocks."""
     config = LlamaConfig.from_hf(tiny.config)
-    kv, source = private_kv(config, BLOCK, torch.float32, num_blocks)
     with PoolClient(pool.socket_path) as client:
         model = LlamaModel(config, client.acquire(tiny.manifest()))
     tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
-    return Engine(model, tok, kv, source, {2}, EngineConfig(BLOCK))
+    return build_engine(model, tok, {2}, PrivateKV(num_blocks), torch.float32, EngineConfig(BLOCK))
 
 
 def test_a_request_that_can_never_fit_fails_alone(tiny: RegisteredModel, pool: PoolProcess) -> None:

@@ -1,0 +1,129 @@
+"""CPU arena: one sealed memfd, written only by the pool daemon, mapped read-only by clients.
+
+The daemon creates an anonymous memory file (``memfd_create`` with ``MFD_ALLOW_SEALING``,
+so nothing appears under ``/dev/shm`` and no other process can open it by name), maps it
+``MAP_SHARED`` read-write *once* and optionally pre-faults it (like ``cudaMalloc``, the pool
+owns its memory from the start, so loads pay no first-touch faults). Then it seals the file
+with ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: the daemon keeps
+writing through the mapping it already has, and from then on nobody (root included) can
+``write()`` the file, punch holes in it, resize it, or map it writable and shared; the seals
+themselves cannot be removed. Clients receive the descriptor over the pool socket
+(``SCM_RIGHTS``, see :mod:`gpu_pool.wire.fdpass`) and map it ``PROT_READ``: zero copy, and a
+worker that writes into another function's weights dies of SIGSEGV instead of poisoning them.
+
+Loads read store files with ``os.preadv`` straight into the daemon's mapping (the kernel
+copies from the page cache; measured faster here than faulting in an mmap of the store),
+groups in parallel threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import mmap
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from gpu_pool.arena.base import BaseArena, CopyJob, read_exactly
+from gpu_pool.errors import LoadError
+
+# Linux 5.1+; Python's fcntl module does not export it (3.11).
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+class CpuArena(BaseArena):
+    """A sealed memfd of ``capacity`` bytes; only this object's mapping can write it."""
+
+    def __init__(self, capacity: int, prefault: bool = True, num_threads: int = 2):
+        if capacity <= 0:
+            raise ValueError("arena capacity must be > 0")
+        if num_threads <= 0:
+            raise ValueError("num_threads must be > 0")
+        self.device = "cpu"
+        self.capacity = capacity
+        # Names the arena in handles (a pre-mapped arena is recognised by it); not a secret.
+        self.arena_id = secrets.token_hex(16)
+        self._fd = os.memfd_create("ember-pool-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, capacity)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            self._mmap = mmap.mmap(self._fd, capacity, flags=flags)
+            # After this, the mapping above is the only writable path to these pages.
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._base = self._array.ctypes.data
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="ember-load")
+        self._closed = False
+
+    def handle(self) -> dict[str, Any]:
+        return {"kind": "memfd", "arena_id": self.arena_id, "size": self.capacity}
+
+    def share_fd(self) -> int | None:
+        return self._fd
+
+    def move(self, dst: int, src: int, nbytes: int) -> None:
+        self._check_range(src, nbytes)
+        self._check_range(dst, nbytes)
+        # memmove is overlap-safe; ctypes drops the GIL for the call.
+        ctypes.memmove(self._base + dst, self._base + src, nbytes)
+
+    def load(self, groups: Sequence[Sequence[CopyJob]]) -> None:
+        for group in groups:
+            for job in group:
+                self._check_range(job.dst, job.nbytes)
+        fds: dict[str, int] = {}
+        try:
+            for group in groups:
+                for job in group:
+                    if job.file not in fds:
+                        try:
+                            fd = os.open(job.file, os.O_RDONLY | os.O_NONBLOCK)
+                        except OSError as exc:
+                            raise LoadError(f"cannot open store file {job.file}: {exc.strerror}") from None
+                        fds[job.file] = fd
+                        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device would block the pool
+                            raise LoadError(f"store file {job.file} is not a regular file")
+            futures = [self._pool.submit(self._run_group, group, fds) for group in groups]
+            # Wait for every group before the descriptors close, then raise the first failure.
+            wait(futures)
+            for f in futures:
+                f.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _run_group(self, group: Sequence[CopyJob], fds: dict[str, int]) -> None:
+        # Through the daemon's own (pre-seal, writable) mapping: the sealed file refuses writes.
+        view = memoryview(self._mmap)
+        try:
+            for job in group:
+                read_exactly(fds[job.file], job, view[job.dst : job.dst + job.nbytes])
+        finally:
+            view.release()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check_range(offset, nbytes)
+        return self._mmap[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        del self._array
+        # BufferError: a view is still exported; the mapping then goes away with the process.
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        # Clients that mapped the arena keep their pages; the memory goes when the last one unmaps.
+        os.close(self._fd)

@@ -1,0 +1,86 @@
+"""Client-side memory: mapping the pool's arena and KV memory as torch tensors, tensor views
+at pool offsets, and the hang-up watch of a session's socket (see :mod:`gpu_pool.client`)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gpu_pool.errors import ProtocolError
+from gpu_pool.manifest import DTYPE_ITEMSIZE
+
+if TYPE_CHECKING:
+    import torch
+
+
+def attach(handle: dict[str, Any], fd: int | None) -> torch.Tensor:
+    if handle["kind"] == "memfd":
+        if fd is None:
+            raise ProtocolError("the pool sent no arena descriptor with its hello reply")
+        return map_memfd(fd, int(handle["size"]), writable=False)
+    if handle["kind"] == "cuda_ipc":
+        from gpu_pool.arena.cuda import attach_cuda
+
+        return attach_cuda(handle)
+    raise ProtocolError(f"unknown arena kind {handle['kind']!r}")
+
+
+def map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
+    """A 1-D uint8 tensor over a shared mapping of the memfd ``fd`` (``size`` bytes)."""
+    import torch
+
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise ProtocolError(f"pool memory has {actual} bytes, expected {size}")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    with warnings.catch_warnings():
+        # The arena is read-only on purpose (weights); torch warns about exactly that.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def view(
+    storage: torch.UntypedStorage,
+    device: torch.device,
+    offset: int,
+    dtype: str,
+    shape: tuple[int, ...] | list[int],
+) -> torch.Tensor:
+    import torch
+
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    assert offset % itemsize == 0, "the pool aligns every region"
+    shape = tuple(shape)
+    t = torch.empty(0, dtype=getattr(torch, dtype), device=device)
+    return t.set_(storage, offset // itemsize, shape, contiguous_stride(shape))
+
+
+def watch_hangup(sock_fd: int, stop_fd: int, callback: Callable[[], None]) -> None:
+    """Block until the peer hangs up (then call ``callback``) or ``stop_fd`` is readable."""
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLRDHUP | select.POLLHUP)  # not POLLIN: replies are not ours
+    poller.register(stop_fd, select.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if stop_fd in events:
+                return
+            if events.get(sock_fd, 0) & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                callback()
+                return
+    finally:
+        os.close(stop_fd)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))

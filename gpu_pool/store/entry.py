@@ -1,0 +1,175 @@
+"""The model store: canonical, mmap-able model files plus their manifest.
+
+A store entry is a directory holding ``tensors.safetensors`` (the bytes) and
+``manifest.json`` (the versioned manifest with fingerprints and byte offsets into the
+safetensors file, whose name is stored relative to the entry so the entry can be moved).
+:func:`write` builds one from named torch tensors; registration of real
+models and the tests both go through it. Writing is atomic: the entry appears complete
+under its final name or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpu_pool.errors import ManifestError
+from gpu_pool.manifest import Manifest, TensorEntry
+from gpu_pool.store.fingerprint import fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+# safetensors dtype tags -> manifest dtype names.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def write(
+    path: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    model_id: str | None = None,
+    latency_sensitivity: float = 1.0,
+) -> Manifest:
+    """Write a store entry at ``path`` (a directory) from named tensors and return its manifest.
+
+    The directory must not exist yet; it is created atomically (written beside it under a
+    temporary name, then renamed). ``model_id`` defaults to the directory name.
+    """
+    from safetensors.torch import save_file
+
+    final = Path(path).absolute()
+    if final.exists():
+        raise ManifestError(f"store entry {final} already exists")
+    if not tensors:
+        raise ManifestError("a store entry needs at least one tensor")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        save_file(contiguous, str(tmp / TENSORS_FILE))
+        manifest = _manifest_from_safetensors(
+            tmp / TENSORS_FILE,
+            model_id or final.name,
+            latency_sensitivity,
+            recorded_path=final / TENSORS_FILE,
+            order=list(tensors),
+        )
+        (tmp / MANIFEST_FILE).write_text(json.dumps(_relative(manifest.to_dict()), indent=1))
+        _fsync_dir_tree(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def read(path: str | os.PathLike[str]) -> Manifest:
+    """Read the manifest of the store entry at ``path``."""
+    entry = Path(path).absolute()
+    file = entry / MANIFEST_FILE
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"no store entry at {path} (missing {MANIFEST_FILE})") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{file} is not valid JSON: {exc}") from None
+    # File names are stored relative to the entry, so an entry can be renamed or moved whole.
+    if isinstance(data, dict) and isinstance(data.get("tensors"), list):
+        for t in data["tensors"]:
+            if isinstance(t, dict) and isinstance(t.get("file"), str):
+                t["file"] = str(entry / t["file"])
+    return Manifest.from_dict(data)
+
+
+def _relative(data: dict[str, Any]) -> dict[str, Any]:
+    for t in data["tensors"]:
+        t["file"] = Path(t["file"]).name
+    return data
+
+
+def verify(manifest: Manifest) -> list[str]:
+    """Names of tensors whose bytes in the store no longer match their fingerprint."""
+    bad: list[str] = []
+    for entry in manifest.tensors:
+        with open(entry.file, "rb") as f:
+            f.seek(entry.offset)
+            data = f.read(entry.nbytes)
+        if len(data) != entry.nbytes or fingerprint(entry.dtype, entry.shape, data) != entry.fingerprint:
+            bad.append(entry.name)
+    return bad
+
+
+def _manifest_from_safetensors(
+    file: Path, model_id: str, latency_sensitivity: float, recorded_path: Path, order: list[str]
+) -> Manifest:
+    """Fingerprint every tensor of a safetensors file and record its absolute byte offset."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+        try:
+            entries: dict[str, TensorEntry] = {}
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ManifestError(f"tensor {name!r}: unsupported safetensors dtype {info['dtype']}")
+                begin, end = info["data_offsets"]
+                shape = tuple(int(d) for d in info["shape"])
+                assert mm is not None
+                view = memoryview(mm)[data_start + begin : data_start + end]
+                try:
+                    fp = fingerprint(dtype, shape, view)
+                finally:
+                    view.release()
+                entries[name] = TensorEntry(
+                    name=name,
+                    dtype=dtype,
+                    shape=shape,
+                    nbytes=end - begin,
+                    fingerprint=fp,
+                    file=str(recorded_path),
+                    offset=data_start + begin,
+                )
+        finally:
+            if mm is not None:
+                mm.close()
+    assert set(entries) == set(order)
+    # Keep the caller's order: it is the model's access order, which loading follows.
+    return Manifest(model_id, tuple(entries[n] for n in order), latency_sensitivity)
+
+
+def _fsync_dir_tree(directory: Path) -> None:
+    for child in directory.iterdir():
+        with open(child, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,187 @@
+"""Typed pool requests: one frozen dataclass per op, decoded and validated once.
+
+The wire format is unchanged (protocol version 1, same field names): a request is a msgpack
+map, :func:`gpu_pool.wire.protocol.decode_request` checks ``v`` and ``op``, and :func:`parse`
+turns the map into the op's message class, checking every field's type and range. Integers
+from the wire may be anything msgpack carries (up to ``2**64 - 1``, or negative): each has
+explicit bounds, so no handler ever sees a value whose arithmetic could overflow a reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gpu_pool.errors import InvalidArgument, ProtocolError, UnknownOp
+
+MAX_TOKEN_CHARS = 256  # admin tokens and tickets
+MAX_MODEL_ID_CHARS = 1024
+MAX_BLOCK_IDS = 1 << 20  # per kv_free
+MAX_COUNT = (1 << 63) - 1  # any byte count or id: fits an int64 on every side
+
+
+def _int(msg: dict[str, Any], op: str, name: str, lo: int, hi: int) -> int:
+    value = msg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{op} needs '{name}': an integer")
+    if not lo <= value <= hi:
+        raise InvalidArgument(f"{op}: '{name}' must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def _opt_str(msg: dict[str, Any], op: str, name: str, max_chars: int) -> str | None:
+    value = msg.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(f"{op}: '{name}' must be a string or absent")
+    if not 0 < len(value) <= max_chars:
+        raise InvalidArgument(f"{op}: '{name}' must have 1 to {max_chars} characters", name)
+    return value
+
+
+class Request:
+    """Base of the typed requests; ``op`` is the wire name."""
+
+    op: ClassVar[str]
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Request:
+        """The message of this op from a decoded request map (raises ProtocolError)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Request):
+    """Open the session: optional admin token or KV ticket."""
+
+    op: ClassVar[str] = "hello"
+    pid: int | None
+    admin_token: str | None
+    ticket: str | None
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Hello:
+        pid = _int(msg, cls.op, "pid", 0, (1 << 31) - 1) if msg.get("pid") is not None else None
+        token = _opt_str(msg, cls.op, "admin_token", MAX_TOKEN_CHARS)
+        ticket = _opt_str(msg, cls.op, "ticket", MAX_TOKEN_CHARS)
+        return cls(pid, token, ticket)
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire(Request):
+    """Pin a manifest's tensors (``manifest_bin``: its msgpack encoding; or ``manifest``)."""
+
+    op: ClassVar[str] = "acquire"
+    manifest_bin: bytes | None
+    manifest: Any
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Acquire:
+        encoded = msg.get("manifest_bin")
+        if encoded is not None and not isinstance(encoded, bytes):
+            raise ProtocolError("acquire: 'manifest_bin' must be msgpack bytes")
+        return cls(encoded, msg.get("manifest"))
+
+
+@dataclass(frozen=True, slots=True)
+class KVAlloc(Request):
+    """Allocate ``num_blocks`` blocks of ``block_bytes`` (bounded by the arena by the daemon)."""
+
+    op: ClassVar[str] = "kv_alloc"
+    num_blocks: int
+    block_bytes: int
+    aligned: bool
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> KVAlloc:
+        num_blocks = _int(msg, cls.op, "num_blocks", 1, MAX_COUNT)
+        block_bytes = _int(msg, cls.op, "block_bytes", 1, MAX_COUNT)
+        aligned = msg.get("aligned", False)
+        if not isinstance(aligned, bool):
+            raise ProtocolError("kv_alloc: 'aligned' must be a boolean")
+        return cls(num_blocks, block_bytes, aligned)
+
+
+@dataclass(frozen=True, slots=True)
+class KVFree(Request):
+    """Free the session's blocks ``block_ids``."""
+
+    op: ClassVar[str] = "kv_free"
+    block_ids: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> KVFree:
+        ids = msg.get("block_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ProtocolError("kv_free needs 'block_ids': a list of integers")
+        if len(ids) > MAX_BLOCK_IDS:
+            raise InvalidArgument(f"kv_free: at most {MAX_BLOCK_IDS} block ids per request", "block_ids")
+        if any(not 0 <= i <= MAX_COUNT for i in ids):
+            raise InvalidArgument(f"kv_free: block ids are between 0 and {MAX_COUNT}", "block_ids")
+        return cls(tuple(ids))
+
+
+@dataclass(frozen=True, slots=True)
+class Evict(Request):
+    """Admin: evict inactive tensors of ``model_id`` (or all)."""
+
+    op: ClassVar[str] = "evict"
+    model_id: str | None
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Evict:
+        return cls(_opt_str(msg, cls.op, "model_id", MAX_MODEL_ID_CHARS))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant(Request):
+    """Admin: a single-use ticket giving the session that presents it ``kv_quota_bytes``."""
+
+    op: ClassVar[str] = "grant"
+    kv_quota_bytes: int
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Grant:
+        return cls(_int(msg, cls.op, "kv_quota_bytes", 0, MAX_COUNT))
+
+
+@dataclass(frozen=True, slots=True)
+class _NoFields(Request):
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Request:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Release(_NoFields):
+    """Unpin everything and free the session's KV blocks."""
+
+    op: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(_NoFields):
+    """The pool's occupancy and counters."""
+
+    op: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True, slots=True)
+class KVMap(_NoFields):
+    """Send the session's KV memfd (created if needed) so the client can map it early."""
+
+    op: ClassVar[str] = "kv_map"
+
+
+MESSAGES: dict[str, type[Request]] = {
+    cls.op: cls for cls in (Hello, Acquire, Release, KVAlloc, KVFree, Stats, Evict, Grant, KVMap)
+}
+
+
+def parse(msg: dict[str, Any]) -> Request:
+    """The typed request of a decoded map whose ``op`` the protocol layer accepted."""
+    cls = MESSAGES.get(msg.get("op"))  # type: ignore[arg-type]
+    if cls is None:
+        raise UnknownOp(f"unknown op {msg.get('op')!r}")
+    return cls.parse(msg)
