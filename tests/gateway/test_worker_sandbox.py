@@ -71,3 +71,49 @@ def test_handler_cannot_read_home_secrets(server: ServeProcess, http: httpx.Clie
     assert {seen[name] for name in paths} == {"PermissionError"}, seen
     assert seen["list home"] == "PermissionError"
     assert seen["tempfile"] == "scratch" and seen["tokens"] == 2
+
+
+KV_HOG_HANDLER = """
+import os
+from pathlib import Path
+
+from gpu_pool.client import PoolClient, RemotePoolError
+
+
+def handler(event, context):
+    socket_path = str(Path(os.environ["EMBER_HOME"]) / "run" / "pool-cpu.sock")
+    seen = {}
+    with PoolClient(socket_path, timeout=10) as pool:  # a session of its own, without a ticket
+        attempts = {
+            "kv_alloc": lambda: pool.kv_alloc(event["blocks"], 1 << 20),
+            "evict": pool.evict,
+            "grant": lambda: pool.grant(1 << 30),
+        }
+        for op, attempt in attempts.items():
+            try:
+                attempt()
+                seen[op] = "allowed"
+            except RemotePoolError as exc:
+                seen[op] = exc.code
+    return seen
+"""
+
+
+def test_a_handler_cannot_hog_kv_evict_or_grant_itself_a_quota(
+    server: ServeProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    """A KV hog: handler code opening its own pool session gets no KV (only the instance's
+    granted session has a quota), and the admin operations are refused."""
+    module = tmp_path / "hog.py"
+    module.write_text(KV_HOG_HANDLER)
+    document = chat_spec("hog")
+    document["spec"]["handler"] = f"{module}:handler"
+    assert http.post("/v1/functions", json=document).status_code == 201
+    out = http.post("/v1/functions/hog/invoke", json={"blocks": 64})
+    assert out.status_code == 200, out.text
+    assert out.json() == {"kv_alloc": "kv_quota_exceeded", "evict": "forbidden", "grant": "forbidden"}
+    # The instance itself still serves (its own session kept its quota).
+    chat = http.post("/v1/functions", json=chat_spec("after-hog"))
+    assert chat.status_code == 201
+    said = http.post("/v1/functions/after-hog/invoke", json={"prompt": "Hi", "max_tokens": 2})
+    assert said.status_code == 200, said.text
