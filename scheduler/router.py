@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from scheduler.errors import SchedulerError, StateConflict, StateUnavailable
 from scheduler.launcher import BaseLauncher, StartedInstance
 from scheduler.policies import DeviceState, ModelDemand, desired_instances, place, should_reject
-from scheduler.spec import parse_duration
+from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState
 
 log = logging.getLogger("ember.scheduler")
@@ -93,11 +93,6 @@ class _Lease:
     timer: asyncio.TimerHandle | None = None
 
 
-def keep_alive_s(record: dict[str, Any]) -> float:
-    """A function record's keep-alive in seconds."""
-    return parse_duration(record["spec"]["spec"]["scaling"]["keepAlive"])
-
-
 class Router:
     """See the module docstring."""
 
@@ -124,16 +119,16 @@ class Router:
 
     # ----- routing --------------------------------------------------------------------------
 
-    async def route(self, name: str, record: dict[str, Any], deadline: float) -> Route:
+    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route:
         """An instance for one request of ``name`` (see module docstring)."""
         leased = self._take_lease(name)
         if leased is not None:
             return leased
-        scaling = record["spec"]["spec"]["scaling"]
+        concurrency = record.scaling.concurrency
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
-            hit = self.state.acquire_slot(name, scaling["concurrency"], retry=False)
+            hit = self.state.acquire_slot(name, concurrency, retry=False)
         except StateUnavailable:  # Redis restarting: retry in a thread, off the event loop
-            hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
+            hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
         if hit is not None:
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
         t0 = time.monotonic()
@@ -144,7 +139,7 @@ class Router:
                 leased = self._take_lease(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
+                hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
                 failed = self._start_errors.get(name)
@@ -216,23 +211,23 @@ class Router:
             with contextlib.suppress(SchedulerError):
                 await self.release(lease.route, lease.keep_alive_s)
 
-    async def _scale_up(self, name: str, record: dict[str, Any], deadline: float) -> None:
-        scaling = record["spec"]["spec"]["scaling"]
+    async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> None:
+        scaling = record.scaling
         instances = await asyncio.to_thread(self.state.instances, name)
         live = [i for i in instances if i.state in ("starting", "ready")]
         in_flight = sum(i.in_flight for i in live)
         want = desired_instances(
             in_flight + self._waiting.get(name, 0),
-            scaling["concurrency"],
-            scaling["minScale"],
-            scaling["maxScale"],
+            scaling.concurrency,
+            scaling.min_scale,
+            scaling.max_scale,
         )
         left = deadline - time.time()
         if len(live) >= want:
             # Queue behind busy instances, unless the wait cannot end before the deadline.
             ready = [i for i in live if i.state == "ready"]
             if ready and not any(i.state == "starting" for i in live):
-                slots = len(ready) * scaling["concurrency"]
+                slots = len(ready) * scaling.concurrency
                 turns = math.ceil(self._waiting.get(name, 1) / slots)
                 wait = turns * self._service_s.get(name, 0.0)
                 if should_reject(wait, left):
@@ -249,33 +244,32 @@ class Router:
         if instance_id is not None:
             self._spawn(self._start(instance_id, name, record, device, deadline))
 
-    async def _place(self, record: dict[str, Any]) -> tuple[str | None, float]:
-        model = record["model"]
+    async def _place(self, record: FunctionRecord) -> tuple[str | None, float]:
+        model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
-        reports = await asyncio.to_thread(self.state.devices)
+        reports = await asyncio.to_thread(self.state.device_reports)
         devices = []
         for device_id in self.launcher.devices():
             r = reports.get(device_id)
             if r is None:  # not reported yet: assume an empty device of unknown size
-                devices.append(DeviceState(device_id, free_bytes=model["weight_bytes"], evictable_bytes=0))
+                devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
-            bandwidth = float(r.get("load_bandwidth") or 0.0)
             devices.append(
                 DeviceState(
                     device_id,
-                    free_bytes=int(r["free_bytes"]),
-                    evictable_bytes=int(r["evictable_bytes"]),
-                    resident_bytes={k: int(v) for k, v in r.get("models", {}).items()},
-                    disk_bandwidth=bandwidth if bandwidth > 0 else 2e9,
+                    free_bytes=r.free_bytes,
+                    evictable_bytes=r.evictable_bytes,
+                    resident_bytes=dict(r.resident_bytes),
+                    disk_bandwidth=r.load_bandwidth if r.load_bandwidth > 0 else 2e9,
                 )
             )
-        demand = ModelDemand(model["id"], int(model["weight_bytes"]))
+        demand = ModelDemand(model.model_id, model.weight_bytes)
         placement = place([demand], devices)[0]
         return placement.device_id, placement.expected_start_s
 
     async def _start(
-        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
     ) -> None:
         self._launching.add(instance_id)
         try:
@@ -284,13 +278,16 @@ class Router:
             self._launching.discard(instance_id)
 
     async def _launch(
-        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
     ) -> None:
-        keep_alive = keep_alive_s(record)
+        keep_alive = record.scaling.keep_alive_s
         t0 = time.perf_counter()
         try:
+            if record.model is None:  # _place checked it before the instance was created
+                raise StartFailed("the function's model is not registered yet; deploy it again")
+            # The launcher (runtime/) takes plain documents: it does not import the scheduler.
             started = await self.launcher.launch(
-                instance_id, record["spec"], record["model"], device, deadline
+                instance_id, record.spec, record.model.encode(), device, deadline
             )
         except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
             log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
@@ -349,12 +346,12 @@ class Router:
             instance_id, keep_alive = self._unreleased[0]
             await asyncio.to_thread(self.state.release, instance_id, keep_alive)
             self._unreleased.pop(0)
-        records = await asyncio.to_thread(self.state.list_records)
+        records = await asyncio.to_thread(self.state.functions)
         names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
         mine = set(self.launcher.devices())
         for name in sorted(names):
             record = records.get(name)
-            min_scale = record["spec"]["spec"]["scaling"]["minScale"] if record else 0
+            min_scale = record.scaling.min_scale if record else 0
             if record is None:  # deleted: drain everything it still runs
                 await self.retire(name)
             else:
@@ -379,7 +376,7 @@ class Router:
                     self._notify(name)
             failed = self._start_errors.get(name)
             backing_off = failed is not None and time.time() - failed[0] < self.config.start_backoff_s
-            if record is not None and min_scale > 0 and record["model"] is not None and not backing_off:
+            if record is not None and min_scale > 0 and record.model is not None and not backing_off:
                 instances = await asyncio.to_thread(self.state.instances, name)
                 if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
                     device, _ = await self._place(record)

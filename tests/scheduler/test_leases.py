@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from scheduler.launcher import StartedInstance
+from scheduler.records import FunctionRecord
 from scheduler.router import Route, Router, RouterConfig
 from scheduler.state import ClusterState
 
 DEVICE = "n/cpu"
-RECORD: dict[str, Any] = {
-    "spec": {"spec": {"scaling": {"concurrency": 1, "minScale": 0, "maxScale": 1, "keepAlive": "30s"}}},
-    "model": None,
-}
+RECORD = FunctionRecord.create(
+    "f", {"spec": {"scaling": {"concurrency": 1, "minScale": 0, "maxScale": 1, "keepAlive": "30s"}}}
+)
 
 
 class RoutingOnlyLauncher:
