@@ -40,10 +40,13 @@ from typing import Any
 import httpx
 
 from runtime.errors import EmberRuntimeError
+from runtime.messages import MAX_THREADS, AssignMessage, MessageError, PreloadMessage, ThreadsMessage
 from runtime.process import boost, die_with_parent
 from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
 from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
+
+_JSON = {"content-type": "application/json"}  # the agent's messages are runtime.messages JSON
 
 
 class LaunchError(EmberRuntimeError):
@@ -212,7 +215,9 @@ class NodeAgent:
             for w in list(self._warm):
                 with contextlib.suppress(httpx.HTTPError):
                     await self._http.post(
-                        f"{w.url}/_ember/preload", json={"model_dir": model_dir}, headers=w.headers
+                        f"{w.url}/_ember/preload",
+                        content=PreloadMessage(model_dir).to_json(),
+                        headers={**w.headers, **_JSON},
                     )
         return {"id": model.model_id, "dir": model_dir, "weight_bytes": int(manifest.nbytes)}
 
@@ -235,20 +240,24 @@ class NodeAgent:
         quota = await asyncio.to_thread(
             self._kv_quota, model["dir"], int(spec["spec"]["scaling"]["concurrency"])
         )
-        body = {
-            "instance_id": instance_id,
-            "spec": spec,
-            "model_dir": model["dir"],
-            "pool_socket": self.pools[device].socket_path,
-            "pool_ticket": await asyncio.to_thread(self._grant, device, quota),
-            "deadline": deadline,
-        }
+        try:
+            message = AssignMessage(
+                instance_id,
+                spec,
+                model["dir"],
+                self.pools[device].socket_path,
+                await asyncio.to_thread(self._grant, device, quota),
+                deadline,
+            )
+        except MessageError as exc:
+            raise LaunchError(f"cannot assign instance {instance_id}: {exc}") from None
+        body = message.to_json()
         for attempt in range(self.config.prewarm + 1):
             worker = await self._take_warm()
             self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
             try:
                 url = f"{worker.url}/_ember/assign"
-                resp = await self._http.post(url, json=body, headers=worker.headers)
+                resp = await self._http.post(url, content=body, headers={**worker.headers, **_JSON})
             except httpx.ConnectError as exc:  # a dead worker: nothing was delivered, take another
                 await self._terminate(worker)
                 if attempt == self.config.prewarm:
@@ -328,11 +337,14 @@ class NodeAgent:
         workers = [w for w in self._instances.values() if w.proc.returncode is None]
         if not workers:
             return
-        per = max(1, (os.cpu_count() or 1) // len(workers))
+        per = min(MAX_THREADS, max(1, (os.cpu_count() or 1) // len(workers)))
         for w in workers:
             with contextlib.suppress(httpx.HTTPError):
                 await self._http.post(
-                    f"{w.url}/_ember/threads", json={"num_threads": per}, headers=w.headers, timeout=5.0
+                    f"{w.url}/_ember/threads",
+                    content=ThreadsMessage(per).to_json(),
+                    headers={**w.headers, **_JSON},
+                    timeout=5.0,
                 )
 
     def alive(self, instance_id: str) -> bool:
@@ -414,7 +426,9 @@ class NodeAgent:
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
                 resp = await self._http.post(
-                    f"{worker.url}/_ember/preload", json={"model_dir": model_dir}, headers=worker.headers
+                    f"{worker.url}/_ember/preload",
+                    content=PreloadMessage(model_dir).to_json(),
+                    headers={**worker.headers, **_JSON},
                 )
                 if resp.status_code != 200:
                     raise LaunchError(f"the worker could not preload {model_dir}: {_error_message(resp)}")
