@@ -18,7 +18,6 @@ and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -34,7 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from gateway.metrics import Metrics
-from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict
+from scheduler.errors import FunctionNotFound, SchedulerError
 from scheduler.records import FunctionRecord
 from scheduler.router import Route, Router
 from scheduler.state import ClusterState
@@ -226,17 +225,10 @@ class Invoker:
         )
 
     async def _lost(self, name: str, route: Route, keep_alive: float | None) -> None:
-        """The instance behind ``route`` did not answer: forget it if its process is gone."""
+        """The instance behind ``route`` did not answer: forget it if its process is gone
+        (:meth:`Router.instance_lost`), else free the slot (when ``keep_alive`` is given)."""
         await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
-        launcher = self.router.launcher
-        if launcher.owns(route.instance_id) and not launcher.alive(route.instance_id):
-            await self.router.drop_leases(name, route.instance_id)
-            with contextlib.suppress(StateConflict):
-                await asyncio.to_thread(self.state.transition, route.instance_id, "ready", "gone")
-            await asyncio.to_thread(self.state.forget_instance, name, route.instance_id)
-            await launcher.stop(route.instance_id)  # reap it and drop it from the agent's books
-        elif keep_alive is not None:
-            await self.router.release(route, keep_alive)
+        await self.router.instance_lost(name, route, keep_alive)
 
 
 def _error_type(content: bytes) -> str:
