@@ -50,6 +50,7 @@ from scheduler.errors import (
     StateNotWritable,
     StateUnavailable,
 )
+from scheduler.records import FunctionRecord, ModelRef
 from scheduler.router import Rejected, Router, StartFailed
 from scheduler.spec import FunctionSpec, SpecError, parse_function, parse_function_yaml
 from scheduler.state import ClusterState
@@ -88,7 +89,8 @@ ERROR_STATUS: dict[type[Exception], int] = {
 }
 RETRY_AFTER_S = 1  # Retry-After of a 503/507 whose error names no delay of its own
 
-# (source, dtype) -> model record {id, dir, weight_bytes}; raises ModelSourceError
+# (source, dtype) -> the model's reference as the agent returns it ({id, dir, weight_bytes},
+# decoded by ModelRef.decode); raises ModelSourceError
 Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
 
 
@@ -213,17 +215,17 @@ def create_app(
         handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
         model = None
         if serving is not None:
-            model = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
+            model = ModelRef.decode(await serving.register(spec.spec.model.source, spec.spec.model.dtype))
         document = spec.to_document()
         document["spec"]["handler"] = handler  # an uploaded module's stored path
         try:
-            previous: dict[str, Any] | None = await asyncio.to_thread(state.get_record, function_id)
+            previous: FunctionRecord | None = await asyncio.to_thread(state.function, function_id)
         except FunctionNotFound:
             previous = None
         await asyncio.to_thread(state.put_function, function_id, document, model)
         if serving is not None:
             serving.invoker.forget(function_id)
-            if previous is not None and (previous["spec"], previous.get("model")) != (document, model):
+            if previous is not None and (previous.spec, previous.model) != (document, model):
                 await serving.router.retire(function_id)  # running instances serve the old version
         return document
 
@@ -292,12 +294,12 @@ def create_app(
     def cluster(who: Principal = caller) -> dict[str, Any]:
         """Everything for the admin (functions by qualified id); a tenant sees its own functions
         by name and no devices (their residency would show other tenants' models)."""
-        records = {i: r for i, r in state.list_records().items() if who.sees(i)}
+        records = {i: r for i, r in state.functions().items() if who.sees(i)}
         return {
             "devices": state.devices() if who.admin else {},
             "functions": {
                 who.shown(name): {
-                    "model": record.get("model"),
+                    "model": record.model.encode() if record.model is not None else None,
                     "instances": [
                         {
                             "id": i.instance_id,

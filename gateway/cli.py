@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from runtime.messages import AssignMessage
     from runtime.registry import load
     from runtime.worker import serve
     from runtime.worker_guard import GuardConfig
@@ -186,12 +188,8 @@ def _worker(args: argparse.Namespace) -> int:
         {"apiVersion": "ember.dev/v1", "kind": "Function", "metadata": {"name": args.name},
          "spec": {"model": {"source": model.record["source"], "dtype": model.record["dtype"]}}}
     ).to_document()  # fmt: skip
-    assignment = {
-        "instance_id": "0",
-        "spec": spec,
-        "model_dir": args.model_dir,
-        "pool_socket": args.pool_socket,
-    }
+    # No pool ticket (a session without KV quota); the default handler has no initializer to time.
+    assignment = AssignMessage("0", spec, args.model_dir, args.pool_socket, None, time.time() + 300)
     serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
     return 0
 

@@ -18,7 +18,6 @@ and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -34,8 +33,9 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from gateway.metrics import Metrics
-from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict
-from scheduler.router import Route, Router, keep_alive_s
+from scheduler.errors import FunctionNotFound, SchedulerError
+from scheduler.records import FunctionRecord
+from scheduler.router import Route, Router
 from scheduler.state import ClusterState
 
 WORKER_TOKEN_HEADER = "x-ember-worker-token"  # runtime.worker_guard.TOKEN_HEADER
@@ -69,7 +69,7 @@ class Invoker:
         self.router = router
         self.metrics = metrics
         self.config = config
-        self._records: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (fetched at, record)
+        self._records: dict[str, tuple[float, FunctionRecord]] = {}  # name -> (fetched at, record)
         self._urls: dict[tuple[str, str], yarl.URL] = {}
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=POOL_KEEP_ALIVE_S),
@@ -81,14 +81,14 @@ class Invoker:
     async def close(self) -> None:
         await self.http.close()
 
-    async def record(self, name: str) -> dict[str, Any]:
+    async def record(self, name: str) -> FunctionRecord:
         """The function's record, cached for ``record_ttl_s`` (this gateway's own deploys and
         deletes invalidate it at once; other gateways' are seen within the TTL)."""
         now = time.monotonic()
         hit = self._records.get(name)
         if hit is not None and now - hit[0] < self.config.record_ttl_s:
             return hit[1]
-        record = await asyncio.to_thread(self.state.get_record, name)
+        record = await asyncio.to_thread(self.state.function, name)
         self._records[name] = (now, record)
         return record
 
@@ -131,7 +131,7 @@ class Invoker:
             "x-ember-request-id": request_id,
             "x-ember-deadline": f"{deadline:.3f}",
         }
-        keep_alive = keep_alive_s(record)
+        keep_alive = record.scaling.keep_alive_s
         for attempt in range(self.config.connect_retries + 1):
             route = await self.router.route(name, record, deadline)
             if not route.cold:
@@ -225,17 +225,10 @@ class Invoker:
         )
 
     async def _lost(self, name: str, route: Route, keep_alive: float | None) -> None:
-        """The instance behind ``route`` did not answer: forget it if its process is gone."""
+        """The instance behind ``route`` did not answer: forget it if its process is gone
+        (:meth:`Router.instance_lost`), else free the slot (when ``keep_alive`` is given)."""
         await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
-        launcher = self.router.launcher
-        if launcher.owns(route.instance_id) and not launcher.alive(route.instance_id):
-            await self.router.drop_leases(name, route.instance_id)
-            with contextlib.suppress(StateConflict):
-                await asyncio.to_thread(self.state.transition, route.instance_id, "ready", "gone")
-            await asyncio.to_thread(self.state.forget_instance, name, route.instance_id)
-            await launcher.stop(route.instance_id)  # reap it and drop it from the agent's books
-        elif keep_alive is not None:
-            await self.router.release(route, keep_alive)
+        await self.router.instance_lost(name, route, keep_alive)
 
 
 def _error_type(content: bytes) -> str:

@@ -181,9 +181,9 @@ async def serve(config: ServeConfig) -> None:
     server: uvicorn.Server | None = None
     try:
         await asyncio.to_thread(_forget_stale_instances, state, [agent.device_id("cpu")])
-        for record in await asyncio.to_thread(lambda: list(state.list_records().values())):
-            if record.get("model"):
-                agent.adopt_template(record["model"]["dir"])
+        for record in await asyncio.to_thread(lambda: list(state.functions().values())):
+            if record.model is not None:
+                agent.adopt_template(record.model.dir)
         await agent.start()
         readiness = Readiness(state.r.ping, agent.pools_alive, agent.warm_ready)
         serving = Serving(

@@ -41,11 +41,14 @@ from typing import Any
 import httpx
 
 from runtime.errors import EmberRuntimeError
+from runtime.messages import MAX_THREADS, AssignMessage, MessageError, PreloadMessage, ThreadsMessage
 from runtime.process import boost, die_with_parent
 from runtime.sandbox import SandboxConfig, temp_dir
 from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
 from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
+
+_JSON = {"content-type": "application/json"}  # the agent's messages are runtime.messages JSON
 
 
 class LaunchError(EmberRuntimeError):
@@ -215,7 +218,9 @@ class NodeAgent:
             for w in list(self._warm):
                 with contextlib.suppress(httpx.HTTPError):
                     await self._http.post(
-                        f"{w.url}/_ember/preload", json={"model_dir": model_dir}, headers=w.headers
+                        f"{w.url}/_ember/preload",
+                        content=PreloadMessage(model_dir).to_json(),
+                        headers={**w.headers, **_JSON},
                     )
         return {"id": model.model_id, "dir": model_dir, "weight_bytes": int(manifest.nbytes)}
 
@@ -235,7 +240,7 @@ class NodeAgent:
         await self._wait_for_pool(device, deadline)
         if model["dir"] not in self._templates:
             self._templates.add(model["dir"])
-        body: dict[str, Any] | None = None
+        body: str | None = None
         for attempt in range(self.config.prewarm + 1):
             worker = await self._take_warm()
             self._spawn_in_background(self.config.replenish_delay_s)  # replenish while this one serves
@@ -247,7 +252,7 @@ class NodeAgent:
                     raise
             try:
                 url = f"{worker.url}/_ember/assign"
-                resp = await self._http.post(url, json=body, headers=worker.headers)
+                resp = await self._http.post(url, content=body, headers={**worker.headers, **_JSON})
             except httpx.ConnectError as exc:  # a dead worker: nothing was delivered, take another
                 await self._terminate(worker)
                 if attempt == self.config.prewarm:
@@ -281,18 +286,18 @@ class NodeAgent:
 
     async def _assign_body(
         self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device: str, deadline: float
-    ) -> dict[str, Any]:
+    ) -> str:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
         concurrency = int(spec["spec"]["scaling"]["concurrency"])
         quota = await asyncio.to_thread(self._kv_quota, model["dir"], concurrency)
-        return {
-            "instance_id": instance_id,
-            "spec": spec,
-            "model_dir": model["dir"],
-            "pool_socket": self.pools[device].socket_path,
-            "pool_ticket": await asyncio.to_thread(self._grant, device, quota),
-            "deadline": deadline,
-        }
+        ticket = await asyncio.to_thread(self._grant, device, quota)
+        try:
+            message = AssignMessage(
+                instance_id, spec, model["dir"], self.pools[device].socket_path, ticket, deadline
+            )
+        except MessageError as exc:
+            raise LaunchError(f"cannot assign instance {instance_id}: {exc}") from None
+        return message.to_json()
 
     def _kv_quota(self, model_dir: str, concurrency: int) -> int:
         """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
@@ -344,11 +349,14 @@ class NodeAgent:
         workers = [w for w in self._instances.values() if w.proc.returncode is None]
         if not workers:
             return
-        per = max(1, (os.cpu_count() or 1) // len(workers))
+        per = min(MAX_THREADS, max(1, (os.cpu_count() or 1) // len(workers)))
         for w in workers:
             with contextlib.suppress(httpx.HTTPError):
                 await self._http.post(
-                    f"{w.url}/_ember/threads", json={"num_threads": per}, headers=w.headers, timeout=5.0
+                    f"{w.url}/_ember/threads",
+                    content=ThreadsMessage(per).to_json(),
+                    headers={**w.headers, **_JSON},
+                    timeout=5.0,
                 )
 
     def alive(self, instance_id: str) -> bool:
@@ -430,7 +438,9 @@ class NodeAgent:
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
                 resp = await self._http.post(
-                    f"{worker.url}/_ember/preload", json={"model_dir": model_dir}, headers=worker.headers
+                    f"{worker.url}/_ember/preload",
+                    content=PreloadMessage(model_dir).to_json(),
+                    headers={**worker.headers, **_JSON},
                 )
                 if resp.status_code != 200:
                     raise LaunchError(f"the worker could not preload {model_dir}: {_error_message(resp)}")

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
+from runtime.messages import AssignMessage, MessageError, PreloadMessage, ThreadsMessage
 from runtime.openai_api import (
     RequestError,
     completion_body,
@@ -122,29 +123,29 @@ def _pool_lost() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
-    """Become an instance of ``body["spec"]``'s function (see module docstring)."""
+async def assign(state: WorkerState, message: AssignMessage) -> dict[str, Any]:
+    """Become instance ``message.instance_id`` of ``message.spec``'s function (see module docstring)."""
     from gpu_pool.client import PoolClient
 
     t0 = time.perf_counter()
     set_idle_priority(False)
-    spec = body["spec"]
-    template = state.templates.get(body["model_dir"])
+    spec = message.spec
+    template = state.templates.get(message.model_dir)
     if template is None:
-        template = await asyncio.to_thread(state.template, body["model_dir"])
+        template = await asyncio.to_thread(state.template, message.model_dir)
     t_template = time.perf_counter()
 
     def attach() -> tuple[ModelBinding, Any]:
-        socket_path = body["pool_socket"]
+        socket_path = message.pool_socket
         # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
-        client = PoolClient(socket_path, mapped=state.mapped.get(socket_path), ticket=body.get("pool_ticket"))
+        client = PoolClient(socket_path, mapped=state.mapped.get(socket_path), ticket=message.pool_ticket)
         premapped = state.mapped.get(socket_path)
         if premapped is not None and premapped.handle != client.arena_handle:
             # A restarted pool's new arena: drop the old mapping, which alone keeps the old
             # arena's memory alive.
             del state.mapped[socket_path]
         try:
-            return bind(template, client, int(spec["spec"]["maxTokens"])), client
+            return bind(template, client, message.max_tokens), client
         except BaseException:
             client.close()
             raise
@@ -158,18 +159,18 @@ async def assign(state: WorkerState, body: dict[str, Any]) -> dict[str, Any]:
     driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
     runner = None
     try:
-        if spec["spec"]["handler"] != DEFAULT_HANDLER:
-            runner = HandlerRunner(load_handler(spec["spec"]["handler"]), spec, LLM(binding, loop))
-            await runner.setup(float(body.get("deadline") or time.time() + 300))
+        if message.handler != DEFAULT_HANDLER:
+            runner = HandlerRunner(load_handler(message.handler), spec, LLM(binding, loop))
+            await runner.setup(message.deadline)
     except BaseException:
         driver.cancel()
         binding.engine.close()
         client.close()
         raise
-    state.assignment = Assignment(str(body["instance_id"]), spec, binding, client, runner, driver)
+    state.assignment = Assignment(message.instance_id, spec, binding, client, runner, driver)
     timings = {"template_ms": (t_template - t0) * 1e3, **binding.timings_ms}
     timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
-    return {"instance_id": body["instance_id"], "timings_ms": timings, "acquire": binding.acquire_report}
+    return {"instance_id": message.instance_id, "timings_ms": timings, "acquire": binding.acquire_report}
 
 
 def build_app(state: WorkerState) -> FastAPI:
@@ -203,8 +204,8 @@ def build_app(state: WorkerState) -> FastAPI:
     @app.post("/_ember/preload")
     async def preload(raw: Request) -> Any:
         try:
-            body = await raw.json()
-            await asyncio.to_thread(state.template, str(body["model_dir"]), True)
+            message = PreloadMessage.from_json(await raw.body())
+            await asyncio.to_thread(state.template, message.model_dir, True)
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "preload_failed", f"{type(exc).__name__}: {exc}")
         return {"templates": sorted(state.templates)}
@@ -215,11 +216,13 @@ def build_app(state: WorkerState) -> FastAPI:
         its instances: oversubscribed OpenMP threads spin against each other)."""
         import torch
 
-        body = await _json(raw)
-        n = body.get("num_threads") if isinstance(body, dict) else None
-        if not isinstance(n, int) or n < 1:
-            return _error(400, "invalid_request_error", "num_threads must be a positive integer")
-        torch.set_num_threads(n)  # this (event-loop) thread is the one that steps the engine
+        try:
+            message = ThreadsMessage.from_json(await raw.body())
+        except MessageError as exc:
+            return _error(400, "invalid_request_error", str(exc))
+        torch.set_num_threads(
+            message.num_threads
+        )  # this (event-loop) thread is the one that steps the engine
         return {"num_threads": torch.get_num_threads()}
 
     @app.post("/_ember/assign")
@@ -228,7 +231,7 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(409, "already_assigned", "this worker already serves a function")
         state.assigning = True
         try:
-            return await assign(state, await raw.json())
+            return await assign(state, AssignMessage.from_json(await raw.body()))
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error
@@ -314,7 +317,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     preload: list[str] | None = None,
-    assignment: dict[str, Any] | None = None,
+    assignment: AssignMessage | None = None,
     premap: list[str] | None = None,
     guard: GuardConfig | None = None,
     show_token: bool = False,
@@ -322,7 +325,7 @@ def serve(
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
     ``preload`` lists model directories whose templates are loaded before readiness;
-    ``assignment`` (the body of ``/_ember/assign``) makes it an instance before readiness;
+    ``assignment`` (an ``/_ember/assign`` message) makes it an instance before readiness;
     ``premap`` lists pool sockets whose arenas are mapped and pre-faulted before readiness.
     ``guard`` holds the worker's credential and body bound (required: a worker never serves
     without one); ``show_token`` adds the credential to the readiness line (for a worker

@@ -11,13 +11,20 @@ minScale is kept, and the devices' pool stats are re-reported. Every state chang
 through :class:`ClusterState`'s atomic scripts, so several gateways never double-start or
 double-stop.
 
-Slot leases: when a request finishes, its slot stays held in Redis for ``lease_s`` (0.25 s)
-and the next request of the same function on this gateway takes it without a Redis round
-trip (two fewer per request in a burst: most of the gateway's 2 ms budget). A lease is
-freed when it times out (then the keep-alive clock starts, so keep-alive is at most
-``lease_s`` longer), at once when its request failed, and when its instance dies, its
-function is redeployed or deleted, or the gateway stops. While held it counts as in flight
-for other gateways, which therefore route around it or scale up as if it were busy.
+Slot leases (:mod:`scheduler.leases`): when a request finishes, its slot stays held in
+Redis for ``lease_s`` (0.25 s) and the next request of the same function on this gateway
+takes it without a Redis round trip (two fewer per request in a burst: most of the
+gateway's 2 ms budget). A lease is freed when it times out (then the keep-alive clock
+starts, so keep-alive is at most ``lease_s`` longer), at once when its request failed, and
+when its instance dies, its function is redeployed or deleted, or the gateway stops. While
+held it counts as in flight for other gateways, which therefore route around it or scale up
+as if it were busy.
+
+A lost instance (a request's connection to it broke, or reconcile found its process dead)
+goes through one place, :meth:`Router.instance_lost`. Reconcile's steps are named methods:
+:meth:`~Router.release_pending`, :meth:`~Router.expire_idle`, :meth:`~Router.forget_dead`,
+:meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`. Function records arrive
+typed (:class:`scheduler.records.FunctionRecord`): keep-alive and scaling are parsed once.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from typing import Any, NamedTuple
 
 from scheduler.errors import SchedulerError, StateConflict, StateUnavailable
 from scheduler.launcher import BaseLauncher, StartedInstance
+from scheduler.leases import Leases
 from scheduler.policies import DeviceState, ModelDemand, desired_instances, place, should_reject
-from scheduler.spec import parse_duration
+from scheduler.records import FunctionRecord, Instance
 from scheduler.state import ClusterState
 
 log = logging.getLogger("ember.scheduler")
@@ -84,20 +92,6 @@ class Route(NamedTuple):
     token: str = ""  # the instance's credential: every request to ``url`` carries it
 
 
-@dataclass(eq=False, slots=True)
-class _Lease:
-    """A free slot of an instance that this gateway still holds in Redis (see ``lease_s``)."""
-
-    route: Route
-    keep_alive_s: float
-    timer: asyncio.TimerHandle | None = None
-
-
-def keep_alive_s(record: dict[str, Any]) -> float:
-    """A function record's keep-alive in seconds."""
-    return parse_duration(record["spec"]["spec"]["scaling"]["keepAlive"])
-
-
 class Router:
     """See the module docstring."""
 
@@ -119,21 +113,21 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._launching: set[str] = set()  # instance ids whose start this router is running
         self._unreleased: list[tuple[str, float]] = []  # slots to release once Redis answers
-        self._leases: dict[str, list[_Lease]] = {}  # function -> held free slots, newest last
+        self.leases = Leases(self.config.lease_s, self.config.max_leases, self.release, self._spawn)
         self._last_report = 0.0
 
     # ----- routing --------------------------------------------------------------------------
 
-    async def route(self, name: str, record: dict[str, Any], deadline: float) -> Route:
+    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route:
         """An instance for one request of ``name`` (see module docstring)."""
-        leased = self._take_lease(name)
+        leased = self.leases.take(name)
         if leased is not None:
             return leased
-        scaling = record["spec"]["spec"]["scaling"]
+        concurrency = record.scaling.concurrency
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
-            hit = self.state.acquire_slot(name, scaling["concurrency"], retry=False)
+            hit = self.state.acquire_slot(name, concurrency, retry=False)
         except StateUnavailable:  # Redis restarting: retry in a thread, off the event loop
-            hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
+            hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
         if hit is not None:
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
         t0 = time.monotonic()
@@ -141,10 +135,10 @@ class Router:
         self._waiting[name] = self._waiting.get(name, 0) + 1
         try:
             while True:
-                leased = self._take_lease(name)  # a request on this gateway just finished
+                leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                hit = await asyncio.to_thread(self.state.acquire_slot, name, scaling["concurrency"])
+                hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
                 failed = self._start_errors.get(name)
@@ -168,14 +162,7 @@ class Router:
         are off or full; either way the keep-alive clock restarts when the slot is freed."""
         old = self._service_s.get(name)
         self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
-        leases = self._leases.setdefault(name, [])
-        if reusable and self.config.lease_s > 0 and len(leases) < self.config.max_leases:
-            lease = _Lease(route, keep_alive_s)
-            lease.timer = asyncio.get_running_loop().call_later(
-                self.config.lease_s, self._lease_expired, name, lease
-            )
-            leases.append(lease)
-        else:
+        if not (reusable and self.leases.lease(name, route, keep_alive_s)):
             await self.release(route, keep_alive_s)
         self._notify(name)
 
@@ -189,50 +176,51 @@ class Router:
             except StateUnavailable:  # Redis away for long: release it once Redis is back
                 self._unreleased.append((route.instance_id, keep_alive_s))
 
-    def _take_lease(self, name: str) -> Route | None:
-        leases = self._leases.get(name)
-        if not leases:
-            return None
-        lease = leases.pop()
-        if lease.timer is not None:
-            lease.timer.cancel()
-        return lease.route._replace(cold=False, waited_s=0.0)
-
-    def _lease_expired(self, name: str, lease: _Lease) -> None:
-        leases = self._leases.get(name, [])
-        if lease in leases:
-            leases.remove(lease)
-            self._spawn(self.release(lease.route, lease.keep_alive_s))
-
     async def drop_leases(self, name: str, instance_id: str | None = None) -> None:
         """Free the leased slots of ``name`` (of one instance only, when given) at once: the
         instance is going away, or the function changed."""
-        leases = self._leases.get(name, [])
-        dropped = [lease for lease in leases if instance_id in (None, lease.route.instance_id)]
-        self._leases[name] = [lease for lease in leases if lease not in dropped]
-        for lease in dropped:
-            if lease.timer is not None:
-                lease.timer.cancel()
-            with contextlib.suppress(SchedulerError):
-                await self.release(lease.route, lease.keep_alive_s)
+        await self.leases.drop(name, instance_id)
 
-    async def _scale_up(self, name: str, record: dict[str, Any], deadline: float) -> None:
-        scaling = record["spec"]["spec"]["scaling"]
+    async def instance_lost(
+        self, name: str, lost: Route | Instance, keep_alive_s: float | None = None
+    ) -> bool:
+        """An instance of ``name`` failed: a request's connection to it broke (``lost`` is the
+        request's route) or reconcile found it not alive (``lost`` is its record). If it is this
+        router's to judge (its launcher runs it, or its record is on this router's devices) and
+        its process is gone, it is forgotten: leases dropped, record removed, process reaped,
+        waiting requests woken; returns True. Otherwise a route's slot is freed when
+        ``keep_alive_s`` is given (the request is over) and False is returned."""
+        mine = self.launcher.owns(lost.instance_id) or (
+            isinstance(lost, Instance) and lost.device in self.launcher.devices()
+        )
+        if mine and not self.launcher.alive(lost.instance_id):
+            log.warning("instance %s of %s died; forgetting it", lost.instance_id, name)
+            await self.drop_leases(name, lost.instance_id)
+            await asyncio.to_thread(self._forget, name, lost.instance_id, "ready")
+            await self.launcher.stop(lost.instance_id)  # reap it, drop it from the agent's books
+            self._notify(name)
+            return True
+        if isinstance(lost, Route) and keep_alive_s is not None:
+            await self.release(lost, keep_alive_s)
+        return False
+
+    async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> None:
+        scaling = record.scaling
         instances = await asyncio.to_thread(self.state.instances, name)
         live = [i for i in instances if i.state in ("starting", "ready")]
         in_flight = sum(i.in_flight for i in live)
         want = desired_instances(
             in_flight + self._waiting.get(name, 0),
-            scaling["concurrency"],
-            scaling["minScale"],
-            scaling["maxScale"],
+            scaling.concurrency,
+            scaling.min_scale,
+            scaling.max_scale,
         )
         left = deadline - time.time()
         if len(live) >= want:
             # Queue behind busy instances, unless the wait cannot end before the deadline.
             ready = [i for i in live if i.state == "ready"]
             if ready and not any(i.state == "starting" for i in live):
-                slots = len(ready) * scaling["concurrency"]
+                slots = len(ready) * scaling.concurrency
                 turns = math.ceil(self._waiting.get(name, 1) / slots)
                 wait = turns * self._service_s.get(name, 0.0)
                 if should_reject(wait, left):
@@ -249,33 +237,32 @@ class Router:
         if instance_id is not None:
             self._spawn(self._start(instance_id, name, record, device, deadline))
 
-    async def _place(self, record: dict[str, Any]) -> tuple[str | None, float]:
-        model = record["model"]
+    async def _place(self, record: FunctionRecord) -> tuple[str | None, float]:
+        model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
-        reports = await asyncio.to_thread(self.state.devices)
+        reports = await asyncio.to_thread(self.state.device_reports)
         devices = []
         for device_id in self.launcher.devices():
             r = reports.get(device_id)
             if r is None:  # not reported yet: assume an empty device of unknown size
-                devices.append(DeviceState(device_id, free_bytes=model["weight_bytes"], evictable_bytes=0))
+                devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
-            bandwidth = float(r.get("load_bandwidth") or 0.0)
             devices.append(
                 DeviceState(
                     device_id,
-                    free_bytes=int(r["free_bytes"]),
-                    evictable_bytes=int(r["evictable_bytes"]),
-                    resident_bytes={k: int(v) for k, v in r.get("models", {}).items()},
-                    disk_bandwidth=bandwidth if bandwidth > 0 else 2e9,
+                    free_bytes=r.free_bytes,
+                    evictable_bytes=r.evictable_bytes,
+                    resident_bytes=dict(r.resident_bytes),
+                    disk_bandwidth=r.load_bandwidth if r.load_bandwidth > 0 else 2e9,
                 )
             )
-        demand = ModelDemand(model["id"], int(model["weight_bytes"]))
+        demand = ModelDemand(model.model_id, model.weight_bytes)
         placement = place([demand], devices)[0]
         return placement.device_id, placement.expected_start_s
 
     async def _start(
-        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
     ) -> None:
         self._launching.add(instance_id)
         try:
@@ -284,13 +271,16 @@ class Router:
             self._launching.discard(instance_id)
 
     async def _launch(
-        self, instance_id: str, name: str, record: dict[str, Any], device: str, deadline: float
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
     ) -> None:
-        keep_alive = keep_alive_s(record)
+        keep_alive = record.scaling.keep_alive_s
         t0 = time.perf_counter()
         try:
+            if record.model is None:  # _place checked it before the instance was created
+                raise StartFailed("the function's model is not registered yet; deploy it again")
+            # The launcher (runtime/) takes plain documents: it does not import the scheduler.
             started = await self.launcher.launch(
-                instance_id, record["spec"], record["model"], device, deadline
+                instance_id, record.spec, record.model.encode(), device, deadline
             )
         except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
             log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
@@ -345,48 +335,68 @@ class Router:
 
     async def reconcile(self, now: float | None = None) -> None:
         """One pass: expire idle instances, forget dead ones, keep minScale, report devices."""
-        while self._unreleased:  # first, slots whose release failed while Redis was away
-            instance_id, keep_alive = self._unreleased[0]
-            await asyncio.to_thread(self.state.release, instance_id, keep_alive)
-            self._unreleased.pop(0)
-        records = await asyncio.to_thread(self.state.list_records)
+        await self.release_pending()
+        records = await asyncio.to_thread(self.state.functions)
         names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
-        mine = set(self.launcher.devices())
+        mine = sorted(self.launcher.devices())
         for name in sorted(names):
             record = records.get(name)
-            min_scale = record["spec"]["spec"]["scaling"]["minScale"] if record else 0
             if record is None:  # deleted: drain everything it still runs
                 await self.retire(name)
             else:
-                expired = await asyncio.to_thread(self.state.expire, name, min_scale, now, sorted(mine))
-                for instance_id in expired:
-                    self._spawn(self._drain(name, instance_id))
-            for inst in await asyncio.to_thread(self.state.instances, name):
-                if inst.device not in mine:
-                    continue  # another node's agent judges its own instances
-                if inst.state == "ready" and not self.launcher.alive(inst.instance_id):
-                    log.warning("instance %s of %s died; forgetting it", inst.instance_id, name)
-                    await self.drop_leases(name, inst.instance_id)
-                    await asyncio.to_thread(self._forget, name, inst.instance_id, "ready")
-                    await self.launcher.stop(inst.instance_id)  # reap it, drop it from the agent
-                    self._notify(name)
-                elif (
-                    inst.state == "starting"
-                    and inst.instance_id not in self._launching
-                    and time.time() - inst.created > self.config.stale_start_s
-                ):  # its start was lost (a crashed gateway, a failed write): nobody will finish it
-                    await asyncio.to_thread(self._forget, name, inst.instance_id, "starting")
-                    self._notify(name)
-            failed = self._start_errors.get(name)
-            backing_off = failed is not None and time.time() - failed[0] < self.config.start_backoff_s
-            if record is not None and min_scale > 0 and record["model"] is not None and not backing_off:
-                instances = await asyncio.to_thread(self.state.instances, name)
-                if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
-                    device, _ = await self._place(record)
-                    if device is not None:
-                        new_id = await asyncio.to_thread(self._scale_to, name, min_scale, device)
-                        if new_id is not None:
-                            self._spawn(self._start(new_id, name, record, device, time.time() + 600))
+                await self.expire_idle(name, record, mine, now)
+            await self.forget_dead(name, mine)
+            if record is not None:
+                await self.keep_min_scale(name, record)
+        await self.report_devices()
+
+    async def release_pending(self) -> None:
+        """Release the slots whose release failed while Redis was away (oldest first)."""
+        while self._unreleased:
+            instance_id, keep_alive = self._unreleased[0]
+            await asyncio.to_thread(self.state.release, instance_id, keep_alive)
+            self._unreleased.pop(0)
+
+    async def expire_idle(
+        self, name: str, record: FunctionRecord, devices: list[str], now: float | None
+    ) -> None:
+        """Drain the instances on ``devices`` idle past their keep-alive (minScale stay)."""
+        min_scale = record.scaling.min_scale
+        for instance_id in await asyncio.to_thread(self.state.expire, name, min_scale, now, devices):
+            self._spawn(self._drain(name, instance_id))
+
+    async def forget_dead(self, name: str, devices: list[str]) -> None:
+        """Forget the instances on ``devices`` whose process died, and starts nobody finishes."""
+        for inst in await asyncio.to_thread(self.state.instances, name):
+            if inst.device not in devices:
+                continue  # another node's agent judges its own instances
+            if inst.state == "ready" and not self.launcher.alive(inst.instance_id):
+                await self.instance_lost(name, inst)
+            elif (
+                inst.state == "starting"
+                and inst.instance_id not in self._launching
+                and time.time() - inst.created > self.config.stale_start_s
+            ):  # its start was lost (a crashed gateway, a failed write): nobody will finish it
+                await asyncio.to_thread(self._forget, name, inst.instance_id, "starting")
+                self._notify(name)
+
+    async def keep_min_scale(self, name: str, record: FunctionRecord) -> None:
+        """Start an instance when fewer than minScale are live (not while a failed start backs off)."""
+        min_scale = record.scaling.min_scale
+        failed = self._start_errors.get(name)
+        backing_off = failed is not None and time.time() - failed[0] < self.config.start_backoff_s
+        if min_scale == 0 or record.model is None or backing_off:
+            return
+        instances = await asyncio.to_thread(self.state.instances, name)
+        if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
+            device, _ = await self._place(record)
+            if device is not None:
+                new_id = await asyncio.to_thread(self._scale_to, name, min_scale, device)
+                if new_id is not None:
+                    self._spawn(self._start(new_id, name, record, device, time.time() + 600))
+
+    async def report_devices(self) -> None:
+        """Re-publish the devices' pool stats, every ``report_every_s``."""
         if time.monotonic() - self._last_report >= self.config.report_every_s:
             self._last_report = time.monotonic()
             await self.launcher.report()
@@ -428,8 +438,7 @@ class Router:
 
     async def close(self) -> None:
         """Free every leased slot, then stop the scheduler's tasks."""
-        for name in list(self._leases):
-            await self.drop_leases(name)
+        await self.leases.drop_all()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -13,6 +13,8 @@ Keys (``prefix`` defaults to ``ember:``)::
     {p}instance:{id}          hash  function, state, device, url, token, in_flight, deadline, created
     {p}device:{id}            string {"v": 1, ...pool report..., "updated": t}
     {p}instance_seq           counter for instance ids
+
+Records are decoded once, here, into the typed values of :mod:`scheduler.records`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import redis
@@ -35,16 +36,13 @@ from scheduler.errors import (
     StatePersistenceFailed,
     StateUnavailable,
 )
+from scheduler.records import ENCODING_VERSION, DeviceReport, FunctionRecord, Instance, ModelRef
 
-ENCODING_VERSION = 1
+__all__ = ["ENCODING_VERSION", "ClusterState", "Instance", "Slot"]
 LIVE_STATES = ("starting", "ready")
 STATES = ("starting", "ready", "draining", "gone")
 
 _T = TypeVar("_T")
-# "token" is the worker's credential: routing returns it, it is never shown (not in details).
-_INSTANCE_FIELDS = frozenset(
-    {"v", "function", "state", "device", "url", "token", "in_flight", "deadline", "created"}
-)
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
 # ARGV: desired, function, device, now, prefix. Returns the new id or false.
@@ -133,19 +131,6 @@ class Slot(NamedTuple):
     token: str
 
 
-@dataclass(frozen=True, slots=True)
-class Instance:
-    instance_id: str
-    function: str
-    state: str
-    device: str
-    url: str
-    in_flight: int
-    deadline: float
-    created: float
-    details: dict[str, str]  # what the start measured: pid, bytes_loaded, bytes_reused, start_ms, log
-
-
 class ClusterState:
     """Typed access to the cluster state in one Redis database."""
 
@@ -189,29 +174,34 @@ class ClusterState:
 
     # ----- functions ---------------------------------------------------------------------
 
-    def put_function(
-        self, name: str, spec_document: dict[str, Any], model: dict[str, Any] | None = None
-    ) -> None:
-        """Store a function's spec and, once registered, its model (id, dir, weight_bytes)."""
-        record = {"v": ENCODING_VERSION, "spec": spec_document, "model": model, "updated": time.time()}
-        self._call(lambda: self.r.hset(f"{self.p}functions", name, json.dumps(record)))
+    def put_function(self, name: str, spec_document: dict[str, Any], model: ModelRef | None = None) -> None:
+        """Store a function's spec and, once registered, its model."""
+        value = FunctionRecord.create(name, spec_document, model).to_json()
+        self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
 
-    def get_function(self, name: str) -> dict[str, Any]:
-        return self.get_record(name)["spec"]  # type: ignore[no-any-return]
-
-    def get_record(self, name: str) -> dict[str, Any]:
-        """The whole function record: ``spec``, ``model`` (None before registration), ``updated``."""
+    def function(self, name: str) -> FunctionRecord:
+        """The function's record (:class:`FunctionNotFound` if it is not deployed)."""
         raw = self._call(lambda: self.r.hget(f"{self.p}functions", name))
         if raw is None:
             raise FunctionNotFound(f"function {name!r} is not deployed")
-        return _decode(raw)
+        return FunctionRecord.decode(name, raw)
+
+    def functions(self) -> dict[str, FunctionRecord]:
+        """Every deployed function's record, by qualified id (sorted)."""
+        raw = self._call(lambda: self.r.hgetall(f"{self.p}functions"))
+        return {name: FunctionRecord.decode(name, v) for name, v in sorted(raw.items())}
+
+    def get_function(self, name: str) -> dict[str, Any]:
+        """The function's spec document as stored (what ``describe`` shows)."""
+        return self.function(name).spec
+
+    def get_record(self, name: str) -> dict[str, Any]:
+        """The function's record in its stored encoding (``v``, ``spec``, ``model``, ``updated``)."""
+        return self.function(name).encode()
 
     def list_functions(self) -> dict[str, dict[str, Any]]:
-        return {name: record["spec"] for name, record in self.list_records().items()}
-
-    def list_records(self) -> dict[str, dict[str, Any]]:
-        raw = self._call(lambda: self.r.hgetall(f"{self.p}functions"))
-        return {name: _decode(v) for name, v in sorted(raw.items())}
+        """Every deployed function's spec document, by qualified id (sorted)."""
+        return {name: record.spec for name, record in self.functions().items()}
 
     def functions_with_instances(self) -> list[str]:
         """Every function name that has instance records (deleted functions included)."""
@@ -300,13 +290,7 @@ class ClusterState:
             key = f"{self.p}instance:{i}"
             h: dict[str, str] = self._call(functools.partial(self.r.hgetall, key))
             if h:
-                out.append(
-                    Instance(
-                        str(i), h["function"], h["state"], h["device"], h["url"],
-                        int(h["in_flight"]), float(h["deadline"]), float(h["created"]),
-                        {k: v for k, v in h.items() if k not in _INSTANCE_FIELDS},
-                    )
-                )  # fmt: skip
+                out.append(Instance.decode(str(i), h))
         return out
 
     def forget_instance(self, function: str, instance_id: str) -> None:
@@ -316,19 +300,26 @@ class ClusterState:
 
     # ----- devices -------------------------------------------------------------------------
 
-    def report_device(self, device_id: str, report: dict[str, Any]) -> None:
-        value = json.dumps({"v": ENCODING_VERSION, **report, "updated": time.time()})
+    def report_device(self, device_id: str, report: Mapping[str, Any]) -> None:
+        """Publish a device's pool report (the node agent's ``report``)."""
+        value = json.dumps(DeviceReport.encode(report))
         self._call(lambda: self.r.set(f"{self.p}device:{device_id}", value))
 
-    def devices(self) -> dict[str, dict[str, Any]]:
+    def device_reports(self) -> dict[str, DeviceReport]:
+        """Every device's latest report, by device id (sorted)."""
         pattern = f"{self.p}device:*"
         keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern)))
         out = {}
         for k in keys:
             raw: str | None = self._call(functools.partial(self.r.get, k))
             if raw is not None:
-                out[k[len(f"{self.p}device:") :]] = _decode(str(raw))
+                device_id = k[len(f"{self.p}device:") :]
+                out[device_id] = DeviceReport.decode(device_id, str(raw))
         return out
+
+    def devices(self) -> dict[str, dict[str, Any]]:
+        """Every device's report as published (what ``/v1/cluster`` shows), by device id."""
+        return {device_id: r.document for device_id, r in self.device_reports().items()}
 
 
 def _typed(exc: redis.exceptions.ResponseError) -> Exception:
@@ -344,11 +335,3 @@ def _typed(exc: redis.exceptions.ResponseError) -> Exception:
     if isinstance(exc, redis.exceptions.ReadOnlyError) or text.startswith("READONLY"):
         return StateNotWritable(f"state store cannot write: Redis is a read-only replica ({text})")
     return exc
-
-
-def _decode(raw: str) -> dict[str, Any]:
-    data = json.loads(raw)
-    if not isinstance(data, dict) or data.get("v") != ENCODING_VERSION:
-        version = data.get("v") if isinstance(data, dict) else "?"
-        raise StateConflict(f"state record has unsupported encoding version {version}")
-    return data

@@ -65,6 +65,17 @@ def test_every_route_but_healthz_needs_the_credential(worker: tuple[str, str]) -
         assert ok.status_code == 200, ok.text
 
 
+def test_malformed_agent_messages_are_400(worker: tuple[str, str]) -> None:
+    url, token = worker
+    with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
+        for body in ({"num_threads": True}, {"num_threads": 2, "extra": 1}, {"num_threads": 10**9}):
+            resp = http.post("/_ember/threads", json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+        resp = http.post("/_ember/preload", json={"model_dir": ["/"]})
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "preload_failed"
+        assert http.post("/_ember/threads", json={"num_threads": 1}).json() == {"num_threads": 1}
+
+
 def test_oversized_bodies_are_413_before_buffering(worker: tuple[str, str]) -> None:
     url, token = worker
     big = json.dumps({"prompt": "a" * (MAX_BODY + 1)}).encode()

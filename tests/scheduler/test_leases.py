@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from scheduler.launcher import StartedInstance
+from scheduler.records import FunctionRecord
 from scheduler.router import Route, Router, RouterConfig
 from scheduler.state import ClusterState
 
 DEVICE = "n/cpu"
-RECORD: dict[str, Any] = {
-    "spec": {"spec": {"scaling": {"concurrency": 1, "minScale": 0, "maxScale": 1, "keepAlive": "30s"}}},
-    "model": None,
-}
+RECORD = FunctionRecord.create(
+    "f", {"spec": {"scaling": {"concurrency": 1, "minScale": 0, "maxScale": 1, "keepAlive": "30s"}}}
+)
 
 
 class RoutingOnlyLauncher:
@@ -150,3 +150,38 @@ def test_lease_config_is_validated() -> None:
     for bad in ({"lease_s": -1.0}, {"lease_s": 60.0}, {"max_leases": -1}):
         with pytest.raises(ValueError, match="lease_s"):
             RouterConfig(**bad)
+
+
+class DeadInstanceLauncher(RoutingOnlyLauncher):
+    """Runs the instances in ``dead`` (their processes gone) and nothing else."""
+
+    def __init__(self, dead: set[str]) -> None:
+        self.dead = dead
+        self.stopped: list[str] = []
+
+    async def stop(self, instance_id: str) -> None:
+        self.stopped.append(instance_id)
+
+    def alive(self, instance_id: str) -> bool:
+        return instance_id not in self.dead
+
+    def owns(self, instance_id: str) -> bool:
+        return instance_id in self.dead
+
+
+def test_instance_lost_forgets_a_dead_instance_and_frees_a_live_ones_slot(state: ClusterState) -> None:
+    dead, live = ready_instance(state), ready_instance(state, "g")
+
+    async def scenario() -> None:
+        launcher = DeadInstanceLauncher({dead})
+        r = Router(state, launcher, RouterConfig(lease_s=5.0))
+        route = await r.route("f", RECORD, time.time() + 10)
+        await r.done("f", route, 30.0, 0.01)  # leased: dropped with the instance
+        assert await r.instance_lost("f", route, 30.0)
+        assert state.instances("f") == [] and launcher.stopped == [dead]
+        other = await r.route("g", RECORD, time.time() + 10)
+        assert not await r.instance_lost("g", other, 30.0)  # alive (or not ours): the slot is freed
+        assert in_flight(state, "g") == 0 and [i.instance_id for i in state.instances("g")] == [live]
+        await r.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,135 @@
+"""The agent's messages to its workers (``/_ember/assign``, ``/_ember/preload``, ``/_ember/threads``).
+
+Each message is a frozen dataclass with ``to_json`` (what the agent sends) and ``from_json``
+(what the worker accepts). ``from_json`` checks the body's size, that it is a JSON object with
+exactly the message's fields, their types and bounds, and raises :class:`MessageError` (a
+``ValueError``: the worker answers 400) for anything else. The spec travels as the function's
+spec document (as stored by the scheduler); runtime does not import the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MAX_MESSAGE_BYTES = 1 << 20  # a spec document is a few KiB; anything near this is not a message
+MAX_TEXT = 4096  # characters of a path, id or ticket
+MAX_THREADS = 4096  # intra-op threads of one instance
+
+
+class MessageError(ValueError):
+    """A malformed agent-to-worker message (the worker answers 400)."""
+
+    code = "invalid_message"
+
+
+def _object(raw: bytes | str, fields: frozenset[str], required: frozenset[str]) -> dict[str, Any]:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message is larger than {MAX_MESSAGE_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise MessageError(f"message is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MessageError("message must be a JSON object")
+    unknown = sorted(set(data) - fields)
+    missing = sorted(required - set(data))
+    if unknown or missing:
+        raise MessageError(f"message fields: unknown {unknown}, missing {missing}")
+    return data
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_TEXT:
+        raise MessageError(f"{what} must be a non-empty string of at most {MAX_TEXT} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class AssignMessage:
+    """``/_ember/assign``: become instance ``instance_id`` of the function ``spec``."""
+
+    instance_id: str
+    spec: dict[str, Any]  # the function's spec document (apiVersion, kind, metadata, spec)
+    model_dir: str  # the model's directory in the model store
+    pool_socket: str  # the device's pool daemon
+    pool_ticket: str | None  # single-use pool ticket carrying the instance's KV quota
+    deadline: float  # epoch seconds: the handler's initializer must finish by then
+
+    def __post_init__(self) -> None:
+        _text(self.instance_id, "instance_id")
+        _text(self.model_dir, "model_dir")
+        _text(self.pool_socket, "pool_socket")
+        if self.pool_ticket is not None:
+            _text(self.pool_ticket, "pool_ticket")
+        if isinstance(self.deadline, bool) or not isinstance(self.deadline, int | float):
+            raise MessageError("deadline must be a number of epoch seconds")
+        if not math.isfinite(self.deadline) or self.deadline <= 0:
+            raise MessageError("deadline must be a finite, positive number of epoch seconds")
+        body = self.spec.get("spec") if isinstance(self.spec, dict) else None
+        if not isinstance(body, dict) or not isinstance(self.spec.get("metadata"), dict):
+            raise MessageError("spec must be a function spec document (metadata, spec)")
+        _text(body.get("handler"), "spec.spec.handler")
+        tokens = body.get("maxTokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise MessageError("spec.spec.maxTokens must be a positive integer")
+
+    @property
+    def handler(self) -> str:
+        """The function's handler: ``default`` or ``module.py:function``."""
+        return str(self.spec["spec"]["handler"])
+
+    @property
+    def max_tokens(self) -> int:
+        """The function's ``maxTokens`` (tokens per request)."""
+        return int(self.spec["spec"]["maxTokens"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> AssignMessage:
+        """The message in ``raw``; :class:`MessageError` if it is not one."""
+        fields = frozenset(cls.__dataclass_fields__)
+        data = _object(raw, fields, fields)
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class PreloadMessage:
+    """``/_ember/preload``: load ``model_dir``'s template now (idle workers, before any assign)."""
+
+    model_dir: str
+
+    def __post_init__(self) -> None:
+        _text(self.model_dir, "model_dir")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> PreloadMessage:
+        """The message in ``raw``; :class:`MessageError` if it is not one."""
+        return cls(**_object(raw, frozenset({"model_dir"}), frozenset({"model_dir"})))
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadsMessage:
+    """``/_ember/threads``: use ``num_threads`` intra-op threads (the agent shares a CPU's cores)."""
+
+    num_threads: int
+
+    def __post_init__(self) -> None:
+        n = self.num_threads
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+            raise MessageError(f"num_threads must be a positive integer (at most {MAX_THREADS})")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ThreadsMessage:
+        """The message in ``raw``; :class:`MessageError` if it is not one."""
+        return cls(**_object(raw, frozenset({"num_threads"}), frozenset({"num_threads"})))

@@ -1,0 +1,66 @@
+"""Agent-to-worker messages: typed, bounded, and refused (a 400 at the worker) when malformed."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from runtime.messages import (
+    MAX_MESSAGE_BYTES,
+    AssignMessage,
+    MessageError,
+    PreloadMessage,
+    ThreadsMessage,
+)
+
+SPEC: dict[str, Any] = {"metadata": {"name": "f"}, "spec": {"handler": "default", "maxTokens": 64}}
+
+
+def assign_body(**changes: Any) -> dict[str, Any]:
+    body = {"instance_id": "7", "spec": SPEC, "model_dir": "/m", "pool_socket": "/p.sock",
+            "pool_ticket": "t", "deadline": time.time() + 60}  # fmt: skip
+    return {**body, **changes}
+
+
+def test_messages_round_trip() -> None:
+    message = AssignMessage.from_json(json.dumps(assign_body()))
+    assert (message.handler, message.max_tokens, message.pool_ticket) == ("default", 64, "t")
+    assert AssignMessage.from_json(message.to_json()) == message
+    assert PreloadMessage.from_json(PreloadMessage("/m").to_json()) == PreloadMessage("/m")
+    assert ThreadsMessage.from_json(b'{"num_threads": 3}').num_threads == 3
+    assert AssignMessage.from_json(json.dumps(assign_body(pool_ticket=None))).pool_ticket is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        assign_body(instance_id=7),
+        assign_body(instance_id=""),
+        assign_body(spec="not a document"),
+        assign_body(spec={"metadata": {}, "spec": {"handler": "default", "maxTokens": True}}),
+        assign_body(model_dir="x" * 5000),
+        assign_body(deadline="soon"),
+        assign_body(deadline=float("inf")),
+        assign_body(extra=1),
+        {k: v for k, v in assign_body().items() if k != "deadline"},
+        [1, 2],
+    ],
+)
+def test_malformed_assign_bodies_are_refused(body: Any) -> None:
+    with pytest.raises(MessageError):
+        AssignMessage.from_json(json.dumps(body))
+
+
+def test_malformed_preload_and_threads_bodies_and_oversized_or_deep_json_are_refused() -> None:
+    bad = [b'{"num_threads": true}', b'{"num_threads": 0}', b'{"num_threads": 100000}', b"{}", b"nope"]
+    for raw in bad:
+        with pytest.raises(MessageError):
+            ThreadsMessage.from_json(raw)
+    for raw in (b'{"model_dir": 5}', b'{"model_dir": "/m", "x": 1}', b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(MessageError):
+            PreloadMessage.from_json(raw)
+    with pytest.raises(MessageError, match="larger than"):
+        PreloadMessage.from_json(b" " * (MAX_MESSAGE_BYTES + 1))
