@@ -1,0 +1,128 @@
+"""Function routes: deploy, list, describe, delete, logs and the OpenAI ``/v1/models`` list.
+
+Each acts in one namespace: a tenant's own, or the admin's ``?namespace=`` (default:
+"default"); another tenant's function is a 404 like a missing one. Specs are parsed and
+validated off the event loop (CPU work for large bodies); handlers that only read Redis are
+plain functions, which FastAPI runs in its thread pool, so a Redis restart (retried for
+seconds) never stalls the event loop and its streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from gateway.function_code import split_upload, store_handler
+from gateway.limits import JSONError, load_json
+from gateway.tenants import Principal
+from scheduler import names
+from scheduler.errors import FunctionNotFound
+from scheduler.records import FunctionRecord, ModelRef
+from scheduler.spec import FunctionSpec, SpecError, parse_function, parse_function_yaml
+from scheduler.state import ClusterState
+
+if TYPE_CHECKING:  # gateway.app composes this module
+    from gateway.app import GatewayConfig, Serving
+
+
+def function_routes(
+    state: ClusterState,
+    config: GatewayConfig,
+    serving: Serving | None,
+    authorize: Callable[[Request], Awaitable[Principal]],
+) -> APIRouter:
+    """The function routes over ``state``; with ``serving``, deploys register the model and
+    redeploys or deletes retire the running instances."""
+    router = APIRouter()
+    caller = Depends(authorize)  # who: Principal = caller (a local alias: annotations are strings)
+
+    @router.post("/v1/functions", status_code=201)
+    async def deploy(request: Request, who: Principal = caller) -> dict[str, Any]:
+        raw = (await request.body()).decode("utf-8", errors="replace")  # bounded: BodyLimits
+        # Parsing and validating a spec of up to max_spec_bytes is CPU work: off the event loop.
+        spec, files = await asyncio.to_thread(_parse_spec, raw, request.headers.get("content-type", ""))
+        spec = who.place(spec)  # a tenant's own namespace; 403 for another
+        function_id = names.qualified(spec.metadata.namespace, spec.name)
+        handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
+        model = None
+        if serving is not None:
+            model = ModelRef.decode(await serving.register(spec.spec.model.source, spec.spec.model.dtype))
+        document = spec.to_document()
+        document["spec"]["handler"] = handler  # an uploaded module's stored path
+        try:
+            previous: FunctionRecord | None = await asyncio.to_thread(state.function, function_id)
+        except FunctionNotFound:
+            previous = None
+        await asyncio.to_thread(state.put_function, function_id, document, model)
+        if serving is not None:
+            serving.invoker.forget(function_id)
+            if previous is not None and (previous.spec, previous.model) != (document, model):
+                await serving.router.retire(function_id)  # running instances serve the old version
+        return document
+
+    def in_namespace(who: Principal, namespace: str | None) -> dict[str, dict[str, Any]]:
+        scope = who.scope(namespace)
+        return {i: f for i, f in state.list_functions().items() if names.split(i)[0] == scope}
+
+    @router.get("/v1/functions")
+    def list_functions(who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
+        return {"functions": list(in_namespace(who, namespace).values())}
+
+    @router.get("/v1/functions/{name}")
+    def describe(name: str, who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
+        return state.get_function(who.function(name, namespace))
+
+    @router.delete("/v1/functions/{name}", status_code=204)
+    async def delete(name: str, who: Principal = caller, namespace: str | None = None) -> Response:
+        name = who.function(name, namespace)
+        await asyncio.to_thread(state.delete_function, name)
+        if config.code is not None:
+            await asyncio.to_thread(config.code.remove, name)
+        if serving is not None:
+            serving.invoker.forget(name)
+            await serving.router.retire(name)
+        return Response(status_code=204)
+
+    @router.get("/v1/functions/{name}/logs")
+    def logs(
+        name: str, tail: int = 200, who: Principal = caller, namespace: str | None = None
+    ) -> PlainTextResponse:
+        name = who.function(name, namespace)  # "ns/name": the directory functions/ns/name
+        state.get_function(name)  # 404 for unknown functions
+        directory = (config.logs_dir / "functions" / name) if config.logs_dir else None
+        if directory is None or not directory.is_dir():
+            return PlainTextResponse("")
+        files = sorted(directory.glob("instance-*.log"), key=lambda p: p.stat().st_mtime)
+        lines: list[str] = []
+        for path in files:
+            text = path.read_text(errors="replace").splitlines()
+            lines += [f"[{path.stem}] {line}" for line in text]
+        return PlainTextResponse("\n".join(lines[-max(1, min(tail, 10_000)) :]) + "\n")
+
+    @router.get("/v1/models")
+    def models(who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
+        now = int(time.time())
+        data = [
+            {"id": names.split(i)[1], "object": "model", "created": now, "owned_by": "ember"}
+            for i in in_namespace(who, namespace)
+        ]
+        return {"object": "list", "data": data}
+
+    return router
+
+
+def _parse_spec(raw: str, content_type: str) -> tuple[FunctionSpec, dict[str, str]]:
+    """A function spec from a deploy body, depth-bounded: JSON (by content type, optionally with
+    the handler's uploaded module: :func:`gateway.function_code.split_upload`) or YAML."""
+    if "json" in content_type:
+        try:
+            data, files = split_upload(load_json(raw))
+        except JSONError as exc:
+            raise SpecError(f"malformed JSON: {exc}") from None
+        return parse_function(data), files
+    return parse_function_yaml(raw), {}
