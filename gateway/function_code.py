@@ -53,13 +53,9 @@ class FunctionCodeConfig:
     @classmethod
     def from_env(cls, home: Path, env: Mapping[str, str] | None = None) -> FunctionCodeConfig:
         """``home/functions``; ``EMBER_HANDLER_ROOTS``: colon-separated absolute directories."""
-        raw = (os.environ if env is None else env).get(HANDLER_ROOTS_ENV, "")
-        roots = []
-        for entry in filter(None, raw.split(":")):
-            if not os.path.isabs(entry):
-                raise ValueError(f"{HANDLER_ROOTS_ENV}: {entry!r} is not an absolute path")
-            roots.append(Path(os.path.realpath(entry)))
-        return cls(Path(os.path.realpath(home)) / "functions", tuple(roots))
+        from runtime.sources import parse_roots
+
+        return cls(Path(os.path.realpath(home)) / "functions", parse_roots(HANDLER_ROOTS_ENV, env))
 
     def function_dir(self, name: str) -> Path:
         """The directory of function ``name``'s code: ``NAME`` (namespace ``default``) or

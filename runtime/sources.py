@@ -41,6 +41,18 @@ class SourceKind(enum.Enum):
     SAFETENSORS = "safetensors"
 
 
+def parse_roots(variable: str, env: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """The colon-separated absolute directories in environment ``variable``, as real paths
+    (``..`` and symlinks resolved); a relative entry fails loudly."""
+    raw = (os.environ if env is None else env).get(variable, "")
+    roots = []
+    for entry in filter(None, raw.split(":")):
+        if not os.path.isabs(entry):
+            raise ValueError(f"{variable}: {entry!r} is not an absolute path")
+        roots.append(Path(os.path.realpath(entry)))
+    return tuple(roots)
+
+
 @dataclass(frozen=True, slots=True)
 class SourceRoots:
     """Where path sources may live: real (symlink-free) absolute directories.
@@ -62,13 +74,7 @@ class SourceRoots:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SourceRoots:
         """``EMBER_MODEL_ROOTS``: colon-separated absolute directories (unset: none)."""
-        raw = (os.environ if env is None else env).get(ROOTS_ENV, "")
-        roots = []
-        for entry in filter(None, raw.split(":")):
-            if not os.path.isabs(entry):
-                raise ValueError(f"{ROOTS_ENV}: {entry!r} is not an absolute path")
-            roots.append(Path(os.path.realpath(entry)))
-        return cls(tuple(roots))
+        return cls(parse_roots(ROOTS_ENV, env))
 
     @classmethod
     def unrestricted(cls) -> SourceRoots:
