@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from gateway.spawn import ServeProcess
+from scheduler.redis_server import EmbeddedRedis
 from scheduler.spec import parse_function
 from tests.gateway.rawhttp import assert_error, closed_by_peer, connect, read_response, request_bytes
 
@@ -267,7 +268,7 @@ def test_redis_refusing_writes_is_503_with_retry_after(edge: ServeProcess) -> No
             "spec": {"model": {"source": "gguf:/nonexistent.gguf"}},
         }
     ).to_document()
-    admin = redis.Redis(unix_socket_path=str(edge.home / "redis" / "redis.sock"))
+    admin = redis.Redis.from_url(EmbeddedRedis(edge.home / "redis").url)  # its password file
     # Never started (Redis refuses the instance record first): the model need not exist.
     model = {"id": "oom-model", "dir": "/nonexistent", "weight_bytes": 1}
     record = {"v": 1, "spec": document, "model": model, "updated": time.time()}
@@ -289,7 +290,7 @@ def test_redis_refusing_writes_is_503_with_retry_after(edge: ServeProcess) -> No
 
 
 def test_a_state_conflict_is_sent_as_its_code(edge: ServeProcess) -> None:
-    admin = redis.Redis(unix_socket_path=str(edge.home / "redis" / "redis.sock"))
+    admin = redis.Redis.from_url(EmbeddedRedis(edge.home / "redis").url)  # its password file
     admin.hset("ember:functions", "from-the-future", json.dumps({"v": 99, "spec": {}}))
     try:
         with httpx.Client(base_url=edge.url) as http:
