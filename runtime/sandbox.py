@@ -9,7 +9,9 @@ Linux Landlock (which binds root too) before any handler code can run:
 * only reads are handled (``READ_FILE``, ``READ_DIR``); writes, execs and sockets are left to
   the ordinary permission checks, so handlers still write files and reach the pool;
 * everything outside ``EMBER_HOME`` stays readable; inside it only ``models/`` (weights,
-  tokenizers), ``functions/`` (handler modules) and ``tmp/`` (the workers' ``TMPDIR``).
+  tokenizers), ``functions/`` (handler modules) and ``tmp/`` (the workers' ``TMPDIR``);
+* from Landlock ABI 6, signals only within the worker (its own process and children): handler
+  code cannot kill the pool, ``redis-server``, ``ember serve`` or other workers.
 
 Landlock is an allow-list over directory trees, so "all but one subtree" is one rule per
 existing sibling of each directory on the way from ``/`` to ``EMBER_HOME``. Consequences (see
@@ -42,6 +44,7 @@ _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
 _READ_FILE, _READ_DIR = 1 << 2, 1 << 3
+_SCOPE_SIGNAL, _SCOPE_ABI = 1 << 1, 6  # LANDLOCK_SCOPE_SIGNAL, from ABI 6
 _PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -105,8 +108,13 @@ def _readable_dirs(home: Path) -> list[Path]:
 
 
 class _RulesetAttr(ctypes.Structure):
-    # Only handled_access_fs: the kernel accepts this ABI 1 prefix of the struct.
-    _fields_ = (("handled_access_fs", ctypes.c_uint64),)
+    # The kernel accepts a prefix of the struct: 8 bytes (ABI 1: handled_access_fs) or, from
+    # ABI 6, all 24 (scoped: what the domain may not reach outside itself).
+    _fields_ = (
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    )
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -173,8 +181,12 @@ def apply(home: Path, config: SandboxConfig | None = None) -> SandboxReport:
     if threads != 1:
         raise SandboxError(f"the sandbox must be applied before any thread starts ({threads} running)")
     inside, outside = _readable_dirs(home), readable_roots(home)
-    attr = _RulesetAttr(_READ_FILE | _READ_DIR)
-    ruleset = _syscall(libc, ctypes.c_long(_SYS_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(8), 0)
+    # From ABI 6 also no signals to processes outside the worker's domain: handler code (same
+    # uid) must not kill the pool, redis-server, ember serve or another function's worker.
+    scoped = _SCOPE_SIGNAL if abi >= _SCOPE_ABI else 0
+    attr = _RulesetAttr(_READ_FILE | _READ_DIR, 0, scoped)
+    size = ctypes.sizeof(attr) if scoped else 8
+    ruleset = _syscall(libc, ctypes.c_long(_SYS_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size), 0)
     try:
         rules = sum(_add_rule(libc, ruleset, path, follow=True) for path in inside)
         rules += sum(_add_rule(libc, ruleset, path, follow=False) for path in outside)

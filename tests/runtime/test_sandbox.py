@@ -150,3 +150,35 @@ def test_config_from_env_is_validated() -> None:
             SandboxConfig.from_env(bad)
     with pytest.raises(ValueError, match="contradicts"):
         SandboxConfig.from_env({"EMBER_WORKER_SANDBOX": "off", "EMBER_REQUIRE_SANDBOX": "1"})
+
+
+@pytest.mark.skipif(abi_version() < 6, reason="Landlock scopes signals from ABI 6")
+def test_confined_process_cannot_signal_processes_outside_it(tmp_path: Path) -> None:
+    """Handler code runs with the pool's and ember serve's uid: a signal to them (here: to an
+    outside process it could otherwise kill) is refused; its own children it may still signal."""
+    home, _ = make_home(tmp_path)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = r"""
+import os, signal, subprocess, sys
+from pathlib import Path
+from runtime.sandbox import apply
+apply(Path(sys.argv[1]))
+try:
+    os.kill(int(sys.argv[2]), signal.SIGKILL)
+    print("killed")
+except PermissionError:
+    print("refused")
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+child.kill()
+print(child.wait())
+"""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(home), str(bystander.pid)],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        assert out.stdout.split() == ["refused", "-9"], out.stderr
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
