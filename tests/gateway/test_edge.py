@@ -139,6 +139,33 @@ def test_slow_headers_are_408_after_the_header_timeout(edge: ServeProcess) -> No
         assert 0.9 < time.perf_counter() - t0 < 3.0
 
 
+def test_oversized_headers_are_431_without_memory_growth(edge: ServeProcess) -> None:
+    """httptools buffers headers whole: 64 MB of header lines once grew the gateway by 64 MB."""
+    before = memory_kib(edge)
+    with connect(edge.url) as sock:
+        line = b"x-big: " + b"a" * MB + b"\r\n"
+
+        def send() -> None:
+            try:
+                sock.sendall(b"GET /v1/functions HTTP/1.1\r\nhost: t\r\n")
+                for _ in range(64):
+                    sock.sendall(line)
+            except OSError:
+                pass  # the server closed the connection: expected
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert_error(read_response(sock), 431, "request_too_large")
+        assert closed_by_peer(sock)
+        sender.join(10)
+    after = memory_kib(edge)
+    assert after["VmHWM"] - before["VmHWM"] < 24 << 10, (before, after)
+    with connect(edge.url) as sock:  # many small headers within the cap still serve
+        extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
+        assert read_response(sock).status == 200
+
+
 def test_a_keep_alive_connection_outlives_the_header_timeout(edge: ServeProcess) -> None:
     with connect(edge.url) as sock:
         for _ in range(3):  # requests 0.6 s apart on one connection, 1.8 s > the 1 s timeout
