@@ -32,6 +32,7 @@ from urllib.parse import parse_qs
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope
 
 from gateway.docs import NO_OPEN_DOCS, keyed_docs
@@ -173,6 +174,15 @@ def create_app(
 
     for cls in HANDLED:
         app.add_exception_handler(cls, lambda _req, exc: error(exc))
+
+    def route_error(_req: Request, exc: Exception) -> Response:
+        """Starlette's own errors (no such route: 404, wrong method: 405) in Ember's error body."""
+        assert isinstance(exc, StarletteHTTPException)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        body = {"error": {"type": kind, "message": str(exc.detail)}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, route_error)
     # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
     app.add_exception_handler(Exception, lambda _req, exc: error(exc))
 

@@ -261,6 +261,18 @@ def test_errors_keep_the_connection_alive(edge: ServeProcess) -> None:
             assert read_response(sock).status == 200, raw[:60]
 
 
+def test_unknown_routes_and_methods_answer_embers_error_body(edge: ServeProcess) -> None:
+    """Not FastAPI's ``{"detail": ...}``: every error is ``{"error": {"type", "message"}}``."""
+    with connect(edge.url) as sock:
+        for raw, status, kind in (
+            (request_bytes("GET", "/v1/nothing-here"), 404, "not_found"),
+            (request_bytes("POST", "/v1/functions/a%2Fb/invoke", b"{}", JSON), 404, "not_found"),
+            (request_bytes("PUT", "/v1/functions"), 405, "method_not_allowed"),
+        ):
+            sock.sendall(raw)
+            assert_error(read_response(sock), status, kind)
+
+
 def test_docs_are_open_on_an_unkeyed_server(edge: ServeProcess) -> None:
     with httpx.Client(base_url=edge.url) as http:
         for path in ("/docs", "/redoc", "/openapi.json"):
