@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from gateway.docs import NO_OPEN_DOCS, keyed_docs
@@ -112,6 +113,15 @@ def create_app(
     app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **(NO_OPEN_DOCS if keyed else {}))
     for cls in HANDLED:
         app.add_exception_handler(cls, lambda _req, exc: render_error(exc))
+
+    def route_error(_req: Request, exc: Exception) -> Response:
+        """Starlette's own errors (no such route: 404, wrong method: 405) in Ember's error body."""
+        assert isinstance(exc, StarletteHTTPException)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        body = {"error": {"type": kind, "message": str(exc.detail)}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, route_error)
     # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
     app.add_exception_handler(Exception, lambda _req, exc: render_error(exc))
 

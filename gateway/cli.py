@@ -134,6 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
             config = replace(config, arena_bytes=parse_size(args.arena, "--arena"))
     except (ValueError, ConfigError) as exc:
         return _fail("serve", exc, 2)
+    from gateway import secret_env
+
+    secret_env.hide()  # read into config: now out of /proc/<pid>/environ, where handlers could look
     import uvloop  # the event loop the gateway's proxying runs on (several times faster than asyncio's)
 
     try:

@@ -5,7 +5,7 @@ Every request body passes :class:`BodyLimits` (outermost ASGI middleware): a dec
 body is counted as it arrives and stopped at the cap (:class:`BodyTooLarge`, 413); a body
 that does not arrive within ``body_timeout_s`` is :class:`BodyTimeout` (408). Both carry
 ``Connection: close``: the rest of the body is never read, so the connection cannot serve
-another request. The header read timeout lives in :mod:`gateway.http_server`.
+another request. The header read timeout and size cap live in :mod:`gateway.http_server`.
 :func:`load_json` parses JSON with a depth bound (:class:`JSONError`, 400).
 """
 
@@ -55,23 +55,29 @@ class EdgeLimits:
     max_spec_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # from the first receive to the body's last byte
     header_timeout_s: float = 10.0  # from a request's first byte to its last header
+    # Request line and headers (httptools buffers them whole, with no bound of its own).
+    max_header_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.max_spec_bytes < 1:
             raise ValueError("max_body_bytes and max_spec_bytes must be >= 1")
+        if not 1024 <= self.max_header_bytes <= 16 << 20:
+            raise ValueError("max_header_bytes must be in [1024, 16 MiB]")
         if not (0 < self.body_timeout_s <= 3600 and 0 < self.header_timeout_s <= 3600):
             raise ValueError("body_timeout_s and header_timeout_s must be in (0, 3600] seconds")
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
-        """``EMBER_MAX_BODY_BYTES``, ``EMBER_MAX_SPEC_BYTES`` (integers), ``EMBER_BODY_TIMEOUT``,
-        ``EMBER_HEADER_TIMEOUT`` (seconds); unset ones keep their defaults, bad ones raise."""
+        """``EMBER_MAX_BODY_BYTES``, ``EMBER_MAX_SPEC_BYTES``, ``EMBER_MAX_HEADER_BYTES``
+        (integers), ``EMBER_BODY_TIMEOUT``, ``EMBER_HEADER_TIMEOUT`` (seconds); unset ones keep
+        their defaults, bad ones raise."""
         values: dict[str, Any] = {}
         for env, key, kind in (
             ("EMBER_MAX_BODY_BYTES", "max_body_bytes", int),
             ("EMBER_MAX_SPEC_BYTES", "max_spec_bytes", int),
             ("EMBER_BODY_TIMEOUT", "body_timeout_s", float),
             ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
+            ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
         ):
             raw = os.environ.get(env)
             if raw is None:

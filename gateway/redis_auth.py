@@ -2,8 +2,8 @@
 
 Kept out of the ``--redis`` URL on the command line (where ``ps`` and the pod spec show it)
 and joined into the URL in the process: the cluster manifests read it from the
-``ember-redis`` Secret (``scripts/knative-secrets``). The embedded Redis needs none: it
-listens only on a 0700 Unix socket.
+``ember-redis`` Secret (``scripts/knative-secrets``). The embedded Redis makes its own
+(:mod:`scheduler.redis_server`: its 0700 Unix socket alone does not keep out handler code).
 """
 
 from __future__ import annotations

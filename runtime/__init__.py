@@ -6,5 +6,6 @@ the engine and workers are built by the inference-engine and serving issues.
 :mod:`runtime.supervisor` restarts dead children (pool daemons, the embedded redis-server)
 with exponential backoff. :mod:`runtime.sandbox` confines each worker the agent starts with
 Landlock, so handler code cannot read ``EMBER_HOME`` beyond ``models/``, ``functions/``
-and ``tmp/`` (no ``serve.json``, Redis files or logs).
+and ``tmp/`` (no ``serve.json``, Redis files or logs), write it beyond ``tmp/``, or signal
+processes outside the worker.
 """

@@ -2,7 +2,7 @@
 
 The worker's credential is the first line of its stdin (the agent writes it there: argv and
 the environment are readable by other processes through ``/proc``). With ``--sandbox-home``
-the worker confines its reads with Landlock (:mod:`runtime.sandbox`) first thing, while it
+the worker confines its reads and writes with Landlock (:mod:`runtime.sandbox`) first thing, while it
 has a single thread and before torch is imported, so no handler code ever runs unconfined.
 """
 

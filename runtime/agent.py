@@ -70,7 +70,7 @@ class AgentConfig:
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read EMBER_HOME
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read or write EMBER_HOME
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:

@@ -6,10 +6,15 @@ a 0700 home, so dropping to another uid is not an option). ``EMBER_HOME`` holds
 logs (``logs/``), ``serve.log`` and the pool sockets. A worker therefore restricts itself with
 Linux Landlock (which binds root too) before any handler code can run:
 
-* only reads are handled (``READ_FILE``, ``READ_DIR``); writes, execs and sockets are left to
-  the ordinary permission checks, so handlers still write files and reach the pool;
-* everything outside ``EMBER_HOME`` stays readable; inside it only ``models/`` (weights,
-  tokenizers), ``functions/`` (handler modules) and ``tmp/`` (the workers' ``TMPDIR``).
+* reads and writes are handled (``READ_FILE``, ``READ_DIR`` and every right that writes,
+  creates, removes, renames or truncates); execs and sockets are left to the ordinary
+  permission checks, so handlers still reach the pool;
+* everything outside ``EMBER_HOME`` stays readable and writable; inside it ``models/``
+  (weights, tokenizers) and ``functions/`` (handler modules) are read-only and ``tmp/`` (the
+  workers' ``TMPDIR``) read-write: a handler cannot rewrite another function's module, the
+  model store's files, ``serve.json`` or the Redis append-only file;
+* from Landlock ABI 6, signals only within the worker (its own process and children): handler
+  code cannot kill the pool, ``redis-server``, ``ember serve`` or other workers.
 
 Landlock is an allow-list over directory trees, so "all but one subtree" is one rule per
 existing sibling of each directory on the way from ``/`` to ``EMBER_HOME``. Consequences (see
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 SANDBOX_ENV = "EMBER_WORKER_SANDBOX"  # "on" (default) or "off"
 REQUIRE_ENV = "EMBER_REQUIRE_SANDBOX"  # "1": a worker without Landlock refuses to start
 READABLE = ("models", "functions", "tmp")  # the parts of EMBER_HOME a worker may read
+WRITABLE = ("tmp",)  # ... and of those, the ones it may write
 MAX_RULES = 4096  # siblings of EMBER_HOME's ancestors (an unbounded /tmp must not stall starts)
 
 # Linux UAPI (include/uapi/linux/landlock.h); the syscall numbers are the same on every arch.
@@ -42,6 +48,9 @@ _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
 _READ_FILE, _READ_DIR = 1 << 2, 1 << 3
+_WRITE_FILE, _TRUNCATE, _REFER = 1 << 1, 1 << 14, 1 << 13  # TRUNCATE from ABI 3, REFER from 2
+_WRITE_DIR = sum(1 << bit for bit in range(4, 13))  # REMOVE_DIR/FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM
+_SCOPE_SIGNAL, _SCOPE_ABI = 1 << 1, 6  # LANDLOCK_SCOPE_SIGNAL, from ABI 6
 _PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -105,8 +114,13 @@ def _readable_dirs(home: Path) -> list[Path]:
 
 
 class _RulesetAttr(ctypes.Structure):
-    # Only handled_access_fs: the kernel accepts this ABI 1 prefix of the struct.
-    _fields_ = (("handled_access_fs", ctypes.c_uint64),)
+    # The kernel accepts a prefix of the struct: 8 bytes (ABI 1: handled_access_fs) or, from
+    # ABI 6, all 24 (scoped: what the domain may not reach outside itself).
+    _fields_ = (
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    )
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -173,11 +187,19 @@ def apply(home: Path, config: SandboxConfig | None = None) -> SandboxReport:
     if threads != 1:
         raise SandboxError(f"the sandbox must be applied before any thread starts ({threads} running)")
     inside, outside = _readable_dirs(home), readable_roots(home)
-    attr = _RulesetAttr(_READ_FILE | _READ_DIR)
-    ruleset = _syscall(libc, ctypes.c_long(_SYS_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(8), 0)
+    writes = _WRITE_FILE | _WRITE_DIR | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    # From ABI 6 also no signals to processes outside the worker's domain: handler code (same
+    # uid) must not kill the pool, redis-server, ember serve or another function's worker.
+    scoped = _SCOPE_SIGNAL if abi >= _SCOPE_ABI else 0
+    attr = _RulesetAttr(_READ_FILE | _READ_DIR | writes, 0, scoped)
+    size = ctypes.sizeof(attr) if scoped else 8
+    ruleset = _syscall(libc, ctypes.c_long(_SYS_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size), 0)
     try:
-        rules = sum(_add_rule(libc, ruleset, path, follow=True) for path in inside)
-        rules += sum(_add_rule(libc, ruleset, path, follow=False) for path in outside)
+        rules = sum(
+            _add_rule(libc, ruleset, path, follow=True, writes=writes if name in WRITABLE else 0)
+            for name, path in zip(READABLE, inside, strict=True)
+        )
+        rules += sum(_add_rule(libc, ruleset, path, follow=False, writes=writes) for path in outside)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # restrict_self requires it
             raise SandboxError(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
         _syscall(libc, ctypes.c_long(_SYS_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0))
@@ -189,8 +211,9 @@ def apply(home: Path, config: SandboxConfig | None = None) -> SandboxReport:
     return SandboxReport(True, abi, rules)
 
 
-def _add_rule(libc: ctypes.CDLL, ruleset: int, path: Path, follow: bool) -> int:
-    """Allow reads beneath ``path``; 0 when it vanished or (unless ``follow``) is a symlink.
+def _add_rule(libc: ctypes.CDLL, ruleset: int, path: Path, follow: bool, writes: int = 0) -> int:
+    """Allow reads (and ``writes``) beneath ``path``; 0 when it vanished or (unless ``follow``)
+    is a symlink.
 
     Siblings are never followed: a symlink pointing into EMBER_HOME must not open it up, and
     reads through a symlink are checked where it leads anyway.
@@ -204,8 +227,12 @@ def _add_rule(libc: ctypes.CDLL, ruleset: int, path: Path, follow: bool) -> int:
         mode = os.fstat(fd).st_mode
         if stat.S_ISLNK(mode):
             return 0
-        # READ_DIR is a directory right: the kernel refuses it (EINVAL) on any other file.
-        access = _READ_FILE | _READ_DIR if stat.S_ISDIR(mode) else _READ_FILE
+        # Directory rights (READ_DIR, MAKE_*, REMOVE_*, REFER): the kernel refuses them
+        # (EINVAL) on any other file, which takes only READ_FILE, WRITE_FILE and TRUNCATE.
+        if stat.S_ISDIR(mode):
+            access = _READ_FILE | _READ_DIR | writes
+        else:
+            access = _READ_FILE | (writes & (_WRITE_FILE | _TRUNCATE))
         rule = _PathBeneathAttr(access, fd)
         args = (
             ctypes.c_int(ruleset),

@@ -5,11 +5,19 @@ listens on a Unix socket under the state directory (no port to collide with) and
 append-only file there, so deployed functions survive a Redis restart. ``ember serve``
 polls :meth:`EmbeddedRedis.alive` and calls :meth:`EmbeddedRedis.restart` when it died
 (``runtime.supervisor``): the new server reads the same append-only file.
+
+The socket is 0700, but that does not keep out handler code: workers run with the uid of
+``ember serve``, and their Landlock sandbox confines file reads, not ``connect``. So the
+server requires a password (``requirepass``, given on its stdin: argv is readable by every
+process through ``/proc``), kept in ``directory/password`` (0600; the sandbox hides
+``EMBER_HOME/redis`` from workers) so that restarts and operators' tools use the same one.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -17,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scheduler.errors import StateUnavailable
+
+PASSWORD_FILE = "password"  # in the server's directory, 0600
 
 
 def find_redis_server() -> str:
@@ -45,11 +55,19 @@ class EmbeddedRedis:
         self.directory = directory
         self.binary = binary or find_redis_server()
         self.socket_path = str(directory / "redis.sock")
+        self._password: str | None = None  # read or created by start()
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def password(self) -> str:
+        """The server's password (``directory/password``, created 0600 on first use)."""
+        if self._password is None:
+            self._password = read_password(self.directory)
+        return self._password
+
+    @property
     def url(self) -> str:
-        return f"unix://{self.socket_path}"
+        return f"unix://:{self.password}@{self.socket_path}"
 
     @property
     def pid(self) -> int | None:
@@ -65,6 +83,7 @@ class EmbeddedRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
+            "-",  # the config on stdin: the password, never in argv
             "--port", "0",
             "--unixsocket", self.socket_path,
             "--unixsocketperm", "700",
@@ -76,12 +95,17 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
+        password = self.password
         self._proc = subprocess.Popen(
             args,
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=self._preexec_fn,  # noqa: PLW1509  (async-signal-safe calls only)
         )
+        assert self._proc.stdin is not None
+        with self._proc.stdin:  # redis-server reads its config to EOF before serving
+            self._proc.stdin.write(f"requirepass {password}\n".encode())
         deadline = time.monotonic() + timeout
         import redis
 
@@ -90,7 +114,7 @@ class EmbeddedRedis:
                 err = self._proc.stderr.read().decode() if self._proc.stderr else ""
                 raise StateUnavailable(f"redis-server exited at start: {err.strip() or 'see redis.log'}")
             try:
-                redis.Redis(unix_socket_path=self.socket_path).ping()
+                redis.Redis(unix_socket_path=self.socket_path, password=password).ping()
                 return
             except redis.exceptions.ConnectionError:
                 time.sleep(0.02)
@@ -114,3 +138,21 @@ class EmbeddedRedis:
         """Stop (or reap) the server and start a new one on the same directory."""
         self.stop()
         self.start()
+
+
+def read_password(directory: Path) -> str:
+    """The embedded server's password in ``directory`` (created there, 0600, when missing):
+    256 random bits, URL-safe (it goes into the ``unix://:PASSWORD@PATH`` URL as is)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / PASSWORD_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        password = path.read_text().strip()
+        if len(password) < 32 or not password.replace("-", "").replace("_", "").isalnum():
+            raise StateUnavailable(f"{path} does not hold an Ember Redis password; delete it") from None
+        return password
+    password = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password

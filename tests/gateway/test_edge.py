@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from gateway.spawn import ServeProcess
+from scheduler.redis_server import EmbeddedRedis
 from scheduler.spec import parse_function
 from tests.gateway.rawhttp import assert_error, closed_by_peer, connect, read_response, request_bytes
 
@@ -138,6 +139,33 @@ def test_slow_headers_are_408_after_the_header_timeout(edge: ServeProcess) -> No
         assert 0.9 < time.perf_counter() - t0 < 3.0
 
 
+def test_oversized_headers_are_431_without_memory_growth(edge: ServeProcess) -> None:
+    """httptools buffers headers whole: 64 MB of header lines once grew the gateway by 64 MB."""
+    before = memory_kib(edge)
+    with connect(edge.url) as sock:
+        line = b"x-big: " + b"a" * MB + b"\r\n"
+
+        def send() -> None:
+            try:
+                sock.sendall(b"GET /v1/functions HTTP/1.1\r\nhost: t\r\n")
+                for _ in range(64):
+                    sock.sendall(line)
+            except OSError:
+                pass  # the server closed the connection: expected
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert_error(read_response(sock), 431, "request_too_large")
+        assert closed_by_peer(sock)
+        sender.join(10)
+    after = memory_kib(edge)
+    assert after["VmHWM"] - before["VmHWM"] < 24 << 10, (before, after)
+    with connect(edge.url) as sock:  # many small headers within the cap still serve
+        extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
+        assert read_response(sock).status == 200
+
+
 def test_a_keep_alive_connection_outlives_the_header_timeout(edge: ServeProcess) -> None:
     with connect(edge.url) as sock:
         for _ in range(3):  # requests 0.6 s apart on one connection, 1.8 s > the 1 s timeout
@@ -233,6 +261,18 @@ def test_errors_keep_the_connection_alive(edge: ServeProcess) -> None:
             assert read_response(sock).status == 200, raw[:60]
 
 
+def test_unknown_routes_and_methods_answer_embers_error_body(edge: ServeProcess) -> None:
+    """Not FastAPI's ``{"detail": ...}``: every error is ``{"error": {"type", "message"}}``."""
+    with connect(edge.url) as sock:
+        for raw, status, kind in (
+            (request_bytes("GET", "/v1/nothing-here"), 404, "not_found"),
+            (request_bytes("POST", "/v1/functions/a%2Fb/invoke", b"{}", JSON), 404, "not_found"),
+            (request_bytes("PUT", "/v1/functions"), 405, "method_not_allowed"),
+        ):
+            sock.sendall(raw)
+            assert_error(read_response(sock), status, kind)
+
+
 def test_docs_are_open_on_an_unkeyed_server(edge: ServeProcess) -> None:
     with httpx.Client(base_url=edge.url) as http:
         for path in ("/docs", "/redoc", "/openapi.json"):
@@ -267,7 +307,7 @@ def test_redis_refusing_writes_is_503_with_retry_after(edge: ServeProcess) -> No
             "spec": {"model": {"source": "gguf:/nonexistent.gguf"}},
         }
     ).to_document()
-    admin = redis.Redis(unix_socket_path=str(edge.home / "redis" / "redis.sock"))
+    admin = redis.Redis.from_url(EmbeddedRedis(edge.home / "redis").url)  # its password file
     # Never started (Redis refuses the instance record first): the model need not exist.
     model = {"id": "oom-model", "dir": "/nonexistent", "weight_bytes": 1}
     record = {"v": 1, "spec": document, "model": model, "updated": time.time()}
@@ -289,7 +329,7 @@ def test_redis_refusing_writes_is_503_with_retry_after(edge: ServeProcess) -> No
 
 
 def test_a_state_conflict_is_sent_as_its_code(edge: ServeProcess) -> None:
-    admin = redis.Redis(unix_socket_path=str(edge.home / "redis" / "redis.sock"))
+    admin = redis.Redis.from_url(EmbeddedRedis(edge.home / "redis").url)  # its password file
     admin.hset("ember:functions", "from-the-future", json.dumps({"v": 99, "spec": {}}))
     try:
         with httpx.Client(base_url=edge.url) as http:

@@ -25,8 +25,12 @@ def handler(event, context):
 """
 
 
-def test_a_request_that_crashes_its_worker_runs_once(http: httpx.Client, tmp_path: Path) -> None:
-    marker = tmp_path / "runs.txt"
+def test_a_request_that_crashes_its_worker_runs_once(
+    server: ServeProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    # Not tmp_path: made after the workers were sandboxed, beside an ancestor of EMBER_HOME, it is
+    # unwritable to them (runtime.sandbox); EMBER_HOME/tmp is their TMPDIR.
+    marker = server.home / "tmp" / "crashing-runs.txt"
     module = tmp_path / "crashing.py"
     module.write_text(CRASHING_HANDLER.format(marker=str(marker)))
     document = chat_spec("crashing", keep_alive="30s")

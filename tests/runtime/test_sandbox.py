@@ -150,3 +150,92 @@ def test_config_from_env_is_validated() -> None:
             SandboxConfig.from_env(bad)
     with pytest.raises(ValueError, match="contradicts"):
         SandboxConfig.from_env({"EMBER_WORKER_SANDBOX": "off", "EMBER_REQUIRE_SANDBOX": "1"})
+
+
+WRITER = r"""
+import json, os, sys
+from pathlib import Path
+from runtime.sandbox import apply
+
+home, outside = Path(sys.argv[1]), Path(sys.argv[2])
+apply(home)
+seen = {}
+
+def attempt(name, action):
+    try:
+        action()
+        seen[name] = "ok"
+    except OSError as exc:
+        seen[name] = type(exc).__name__
+
+def append(path):
+    with open(path, "a") as f:
+        f.write("tampered")
+
+attempt("append function", lambda: append(home / "functions" / "f"))
+attempt("append model", lambda: append(home / "models" / "m"))
+attempt("append serve.json", lambda: append(home / "serve.json"))
+attempt("append aof", lambda: append(home / "redis" / "x"))
+attempt("create in models", lambda: (home / "models" / "planted").write_text("x"))
+attempt("remove function", lambda: os.unlink(home / "functions" / "f"))
+attempt("rename model", lambda: os.rename(home / "models" / "m", home / "tmp" / "m"))
+attempt("truncate model", lambda: os.truncate(home / "models" / "m", 0))
+attempt("write tmp", lambda: (home / "tmp" / "t").write_text("x"))
+attempt("rename in tmp", lambda: os.rename(home / "tmp" / "t", home / "tmp" / "u"))
+attempt("write outside", lambda: (outside / "new").write_text("x"))
+attempt("mkdir outside", lambda: (outside / "d").mkdir())
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+def test_confined_process_cannot_write_home_but_writes_tmp_and_elsewhere(tmp_path: Path) -> None:
+    """A handler could rewrite another function's module, the model store or the Redis AOF."""
+    home, outside = make_home(tmp_path)
+    (home / "tmp").mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", WRITER, str(home), str(outside)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    seen = json.loads(out.stdout)
+    for denied in (
+        "append function", "append model", "append serve.json", "append aof", "create in models",
+        "remove function", "rename model", "truncate model",
+    ):  # fmt: skip
+        assert seen[denied] == "PermissionError", (denied, seen)
+    for allowed in ("write tmp", "rename in tmp", "write outside", "mkdir outside"):
+        assert seen[allowed] == "ok", (allowed, seen)
+    assert (home / "functions" / "f").read_text() == "code"
+    assert (home / "models" / "m").read_text() == "weights"
+
+
+@pytest.mark.skipif(abi_version() < 6, reason="Landlock scopes signals from ABI 6")
+def test_confined_process_cannot_signal_processes_outside_it(tmp_path: Path) -> None:
+    """Handler code runs with the pool's and ember serve's uid: a signal to them (here: to an
+    outside process it could otherwise kill) is refused; its own children it may still signal."""
+    home, _ = make_home(tmp_path)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = r"""
+import os, signal, subprocess, sys
+from pathlib import Path
+from runtime.sandbox import apply
+apply(Path(sys.argv[1]))
+try:
+    os.kill(int(sys.argv[2]), signal.SIGKILL)
+    print("killed")
+except PermissionError:
+    print("refused")
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+child.kill()
+print(child.wait())
+"""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(home), str(bystander.pid)],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        assert out.stdout.split() == ["refused", "-9"], out.stderr
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
