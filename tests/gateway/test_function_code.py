@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +13,10 @@ from fastapi.testclient import TestClient
 
 from gateway.app import GatewayConfig, create_app
 from gateway.function_code import MAX_MODULE_BYTES, FunctionCodeConfig, with_handler_module
-from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
 from tests.gateway.conftest import FUNCTIONS, chat_spec
 
 MODULE = "async def handler(event, context):\n    return event\n"
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[ClusterState]:
-    srv = EmbeddedRedis(tmp_path / "redis")
-    srv.start()
-    state = ClusterState.from_url(srv.url)
-    try:
-        yield state
-    finally:
-        state.close()
-        srv.stop()
 
 
 def custom(name: str, handler: str) -> dict[str, Any]:
