@@ -173,26 +173,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from runtime.messages import AssignMessage
-    from runtime.registry import load
+    from gateway.compose import standalone_assignment
     from runtime.worker import serve
     from runtime.worker_guard import GuardConfig
     from runtime.worker_spawn import new_token
-    from scheduler.spec import parse_function
 
     try:
         token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
         guard = GuardConfig(token, args.max_body_bytes)
     except ValueError as exc:
         return _fail("worker", exc, 2)
-
-    model = load(Path(args.model_dir))
-    spec = parse_function(
-        {"apiVersion": "ember.dev/v1", "kind": "Function", "metadata": {"name": args.name},
-         "spec": {"model": {"source": model.record["source"], "dtype": model.record["dtype"]}}}
-    ).to_document()  # fmt: skip
-    # No pool ticket (a session without KV quota); the default handler has no initializer to time.
-    assignment = AssignMessage("0", spec, args.model_dir, args.pool_socket, None, time.time() + 300)
+    assignment = standalone_assignment(args.name, Path(args.model_dir), args.pool_socket)
     serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
     return 0
 
@@ -227,7 +218,6 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _invoke(args: argparse.Namespace) -> int:
-    import time
 
     with _client(args) as gw:
         spec = gw.call("GET", f"/v1/functions/{args.name}", params=_ns(args)).json()

@@ -6,7 +6,8 @@ the scheduler's router and reconcile loop, and the gateway on ``host:port``. It 
 one readiness line. The embedded redis-server and the pool daemons are supervised: restarted
 with exponential backoff when they die (``runtime.supervisor``). Settings come from flags,
 then ``EMBER_*`` variables; bad values fail loudly. A non-loopback address needs an API
-key: one is generated when none is given.
+key: one is generated when none is given. The components themselves are built and wired in
+:mod:`gateway.compose`; this module owns the process around them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +28,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
-from gateway.health import Readiness
 from gateway.http_server import server_config
 from gateway.limits import EdgeLimits
-from gateway.metrics import Metrics
-from gateway.proxy import Invoker, ProxyConfig
 from gateway.redis_auth import PASSWORD_ENV, with_password
 
 
@@ -110,25 +106,12 @@ class ServeConfig:
 
 async def serve(config: ServeConfig) -> None:
     """Run the embedded mode until SIGINT/SIGTERM."""
-    os.umask(0o077)  # every file this process and its children create is owner-only (keys, logs, AOF)
-    from runtime.agent import AgentConfig, NodeAgent
-    from runtime.errors import EmberRuntimeError
-    from runtime.process import die_with_parent
-    from runtime.sandbox import SandboxConfig
-    from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
-    from scheduler.redis_server import EmbeddedRedis
-    from scheduler.router import Router
-    from scheduler.state import ClusterState
+    from gateway.compose import build_embedded
 
+    os.umask(0o077)  # every file this process and its children create is owner-only (keys, logs, AOF)
     api_key = config.api_key
     if api_key is None and not config.loopback:
         api_key = secrets.token_urlsafe(24)
-    gateway_config = GatewayConfig(
-        api_key=api_key,
-        logs_dir=config.home / "logs",
-        code=FunctionCodeConfig.from_env(config.home),
-        limits=EdgeLimits.from_env(),
-    )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
     # take over its Redis socket. The lock goes away with this process, however it ends.
@@ -138,100 +121,44 @@ async def serve(config: ServeConfig) -> None:
     except BlockingIOError:
         lock.close()
         raise ServeError(f"another `ember serve` is running with EMBER_HOME={config.home}") from None
-    restart = RestartConfig.from_env()
-    spawner = SpawnThread("ember-redis-spawn")  # restarts fork from here: see die_with_parent
-    background: list[Any] = []
-    redis_server = None
-    if config.redis_url is None:
-        redis_server = EmbeddedRedis(config.home / "redis", preexec_fn=die_with_parent())
-        redis_server.start()  # from this (long-lived) thread: see die_with_parent
-        child = ThreadRestarted("redis-server", redis_server, spawner)
-        background.append(lambda: supervise(child, restart))
-    state = ClusterState.from_url(config.redis_url or redis_server.url)  # type: ignore[union-attr]
-    agent = NodeAgent(
-        AgentConfig(
-            home=config.home,
-            arena_bytes=config.arena_bytes,
-            prewarm=config.prewarm,
-            node=config.node,
-            restart=restart,
-            sandbox=SandboxConfig.from_env(),
-        ),
-        report=state.report_device,
-    )
-    metrics = Metrics(devices=state.devices)
-    router = Router(
-        state,
-        agent,
-        on_start=lambda name, s: metrics.instance_started(
-            name, s.bytes_loaded, s.bytes_reused, s.timings_ms.get("assign_ms", 0.0) / 1e3
-        ),
-    )
-    invoker = Invoker(state, router, metrics, ProxyConfig(request_timeout_s=config.request_timeout_s))
-
-    async def register(source: str, dtype: str) -> dict[str, Any]:
-        print(f"ember serve: registering {source} ({dtype})", file=sys.stderr, flush=True)
-        try:
-            model = await agent.ensure_model(source, dtype, progress=True)
-        except (EmberRuntimeError, ValueError, OSError) as exc:
-            raise ModelSourceError(f"spec.model.source: {exc}") from None
-        print(f"ember serve: model {model['id']} ready", file=sys.stderr, flush=True)
-        return model
-
-    server: uvicorn.Server | None = None
+    node = None
     try:
-        await asyncio.to_thread(_forget_stale_instances, state, [agent.device_id("cpu")])
-        for record in await asyncio.to_thread(lambda: list(state.functions().values())):
-            if record.model is not None:
-                agent.adopt_template(record.model.dir)
-        await agent.start()
-        readiness = Readiness(state.r.ping, agent.pools_alive, agent.warm_ready)
-        serving = Serving(
-            register, router, invoker, metrics, [router.run, *background], readiness, agent.evict
-        )
-        app = create_app(state, gateway_config, serving)
-        # IPPROTO_TCP, not 0: only then does asyncio set TCP_NODELAY on accepted connections;
-        # without it every response's second write waits ~40 ms for a delayed ACK (Nagle).
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((config.host, config.port))
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        url = f"http://{host}:{sock.getsockname()[1]}"
-        server = _Server(
-            server_config(
-                app, gateway_config.limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
-            )
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up below
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                await task
-                return
-            await asyncio.sleep(0.01)
-        info = {
-            "event": "ready",
-            "url": url,
-            "api_key": api_key,
-            "home": str(config.home),
-            "pid": os.getpid(),
-        }
-        _write_serve_file(config.home, info)
-        print(json.dumps(info), flush=True)
-        await task
+        node = build_embedded(config, api_key)
+        await node.start()
+        await _listen(config, node.app, node.gateway_config.limits, api_key)
     finally:
         (config.home / "serve.json").unlink(missing_ok=True)
-        await router.close()
-        await invoker.close()
-        await agent.close()
-        state.close()
-        if redis_server is not None:
-            await asyncio.to_thread(redis_server.stop)
-        await asyncio.to_thread(spawner.close)
+        if node is not None:
+            await node.close()
         lock.close()  # last: the next `ember serve` may start once everything above is down
+
+
+async def _listen(config: ServeConfig, app: Any, limits: EdgeLimits, api_key: str | None) -> None:
+    """Serve ``app`` on ``host:port`` until a signal; ``serve.json`` and the ready line once up."""
+    # IPPROTO_TCP, not 0: only then does asyncio set TCP_NODELAY on accepted connections;
+    # without it every response's second write waits ~40 ms for a delayed ACK (Nagle).
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = _Server(
+        server_config(app, limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up in serve()
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            await task
+            return
+        await asyncio.sleep(0.01)
+    info = {"event": "ready", "url": url, "api_key": api_key, "home": str(config.home), "pid": os.getpid()}
+    _write_serve_file(config.home, info)
+    print(json.dumps(info), flush=True)
+    await task
 
 
 class _Server(uvicorn.Server):
@@ -241,14 +168,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
-
-
-def _forget_stale_instances(state: Any, devices: list[str]) -> None:
-    """A fresh agent runs nothing: instance records on its devices are from a previous run."""
-    for name in state.functions_with_instances():
-        for inst in state.instances(name):
-            if inst.device in devices:
-                state.forget_instance(name, inst.instance_id)
 
 
 def _write_serve_file(home: Path, info: dict[str, Any]) -> None:

@@ -1,0 +1,184 @@
+"""Composition root: the one place where Ember's long-lived components are built and wired.
+
+Every other module receives its collaborators (a :class:`ClusterState`, a :class:`NodeAgent`,
+a :class:`Router`, ...) as arguments and builds none itself, so tests can assemble any subset
+from real parts. Here the embedded mode's graph is put together: Redis (embedded and supervised,
+or external), the node agent (pool daemons + pre-warmed workers), the router and its reconcile
+loop, the invoker, metrics, readiness and the gateway app. :mod:`gateway.serve` owns what the
+process does with it (the lock on ``EMBER_HOME``, the listening socket, signals, ``serve.json``);
+the ``ember worker`` verb gets its standalone assignment from :func:`standalone_assignment`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.app import GatewayConfig, ModelSourceError, Registrar, Serving, create_app
+from gateway.function_code import FunctionCodeConfig
+from gateway.health import Readiness
+from gateway.limits import EdgeLimits
+from gateway.metrics import Metrics
+from gateway.proxy import Invoker, ProxyConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from gateway.serve import ServeConfig
+    from runtime.agent import NodeAgent
+    from runtime.messages import AssignMessage
+    from runtime.supervisor import SpawnThread
+    from scheduler.redis_server import EmbeddedRedis
+    from scheduler.router import Router
+    from scheduler.state import ClusterState
+
+Background = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass
+class EmbeddedNode:
+    """The embedded mode's components, wired; :meth:`start` before serving ``app``, then
+    :meth:`close` (always, also when :meth:`start` failed half-way)."""
+
+    gateway_config: GatewayConfig
+    state: ClusterState
+    agent: NodeAgent
+    router: Router
+    invoker: Invoker
+    metrics: Metrics
+    app: FastAPI
+    redis_server: EmbeddedRedis | None
+    spawner: SpawnThread  # the thread supervised children are (re)started from
+
+    async def start(self) -> None:
+        """Forget the previous run's instances, adopt registered models, start pools and workers."""
+        device = self.agent.device_id("cpu")
+        await asyncio.to_thread(_forget_stale_instances, self.state, [device])
+        for record in await asyncio.to_thread(lambda: list(self.state.functions().values())):
+            if record.model is not None:
+                self.agent.adopt_template(record.model.dir)
+        await self.agent.start()
+
+    async def close(self) -> None:
+        """Stop everything :func:`build_embedded` started, dependents first."""
+        await self.router.close()
+        await self.invoker.close()
+        await self.agent.close()
+        self.state.close()
+        if self.redis_server is not None:
+            await asyncio.to_thread(self.redis_server.stop)
+        await asyncio.to_thread(self.spawner.close)
+
+
+def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
+    """Build (and for Redis, start) the embedded mode's components from ``config``.
+
+    The embedded redis-server starts here, from the calling thread, so that the supervisor's
+    restarts fork from a long-lived thread too (see :func:`runtime.process.die_with_parent`).
+    """
+    from runtime.agent import AgentConfig, NodeAgent
+    from runtime.process import die_with_parent
+    from runtime.sandbox import SandboxConfig
+    from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
+    from scheduler.redis_server import EmbeddedRedis
+    from scheduler.router import Router
+    from scheduler.state import ClusterState
+
+    gateway_config = GatewayConfig(
+        api_key=api_key,
+        logs_dir=config.home / "logs",
+        code=FunctionCodeConfig.from_env(config.home),
+        limits=EdgeLimits.from_env(),
+    )
+    restart = RestartConfig.from_env()
+    spawner = SpawnThread("ember-redis-spawn")
+    background: list[Background] = []
+    redis_server = None
+    if config.redis_url is None:
+        redis_server = EmbeddedRedis(config.home / "redis", preexec_fn=die_with_parent())
+        redis_server.start()
+        child = ThreadRestarted("redis-server", redis_server, spawner)
+        background.append(lambda: supervise(child, restart))
+    try:
+        state = ClusterState.from_url(config.redis_url or redis_server.url)  # type: ignore[union-attr]
+    except BaseException:
+        if redis_server is not None:
+            redis_server.stop()
+        spawner.close()
+        raise
+    agent = NodeAgent(
+        AgentConfig(
+            home=config.home,
+            arena_bytes=config.arena_bytes,
+            prewarm=config.prewarm,
+            node=config.node,
+            restart=restart,
+            sandbox=SandboxConfig.from_env(),
+        ),
+        report=state.report_device,
+    )
+    metrics = Metrics(devices=state.devices)
+    router = Router(
+        state,
+        agent,
+        on_start=lambda name, s: metrics.instance_started(
+            name, s.bytes_loaded, s.bytes_reused, s.timings_ms.get("assign_ms", 0.0) / 1e3
+        ),
+    )
+    invoker = Invoker(state, router, metrics, ProxyConfig(request_timeout_s=config.request_timeout_s))
+    serving = Serving(
+        _registrar(agent),
+        router,
+        invoker,
+        metrics,
+        [router.run, *background],
+        Readiness(state.r.ping, agent.pools_alive, agent.warm_ready),
+        agent.evict,
+    )
+    app = create_app(state, gateway_config, serving)
+    return EmbeddedNode(gateway_config, state, agent, router, invoker, metrics, app, redis_server, spawner)
+
+
+def _registrar(agent: NodeAgent) -> Registrar:
+    """Model registration for the gateway's deploy route: the agent registers, errors are 400s."""
+    from runtime.errors import EmberRuntimeError
+
+    async def register(source: str, dtype: str) -> dict[str, Any]:
+        print(f"ember serve: registering {source} ({dtype})", file=sys.stderr, flush=True)
+        try:
+            model = await agent.ensure_model(source, dtype, progress=True)
+        except (EmberRuntimeError, ValueError, OSError) as exc:
+            raise ModelSourceError(f"spec.model.source: {exc}") from None
+        print(f"ember serve: model {model['id']} ready", file=sys.stderr, flush=True)
+        return model
+
+    return register
+
+
+def _forget_stale_instances(state: ClusterState, devices: list[str]) -> None:
+    """A fresh agent runs nothing: instance records on its devices are from a previous run."""
+    for name in state.functions_with_instances():
+        for inst in state.instances(name):
+            if inst.device in devices:
+                state.forget_instance(name, inst.instance_id)
+
+
+def standalone_assignment(name: str, model_dir: Path, pool_socket: str) -> AssignMessage:
+    """``ember worker``'s assignment: the default handler over one registered model, outside
+    any ``ember serve`` (no pool ticket: a session without KV quota)."""
+    import time
+
+    from runtime.messages import AssignMessage
+    from runtime.registry import load
+    from scheduler.spec import parse_function
+
+    model = load(model_dir)
+    spec = parse_function(
+        {"apiVersion": "ember.dev/v1", "kind": "Function", "metadata": {"name": name},
+         "spec": {"model": {"source": model.record["source"], "dtype": model.record["dtype"]}}}
+    ).to_document()  # fmt: skip
+    return AssignMessage("0", spec, str(model_dir), pool_socket, None, time.time() + 300)
