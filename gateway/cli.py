@@ -80,11 +80,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     worker = verbs.add_parser("worker", help="serve one registered model as a function instance")
-    worker.add_argument("--name", required=True, help="function name")
-    worker.add_argument("--model-dir", required=True, help="registered model directory")
-    worker.add_argument("--pool-socket", required=True, help="the device pool's socket")
-    worker.add_argument("--host", default="127.0.0.1")
-    worker.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
+    mode = worker.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--function", default=None, metavar="ID",
+        help="a Knative function pod: serve function ID (NAME or NAMESPACE/NAME) from the cluster state",
+    )  # fmt: skip
+    mode.add_argument(
+        "--openwhisk", action="store_true", help="an OpenWhisk blackbox action: POST /init, then /run"
+    )
+    worker.add_argument("--name", default=None, help="function name (standalone)")
+    worker.add_argument("--model-dir", default=None, help="registered model directory (standalone)")
+    worker.add_argument("--pool-socket", default=None, help="the device pool's socket (standalone)")
+    worker.add_argument(
+        "--host", default=None, help="listen address (standalone: 127.0.0.1; pods and actions: 0.0.0.0)"
+    )
+    worker.add_argument(
+        "--port", type=int, default=None,
+        help="standalone: 0 (default) picks a free port, printed when ready; --function: $PORT (8080); "
+        "--openwhisk: 8080",
+    )  # fmt: skip
     worker.add_argument(
         "--token-stdin",
         action="store_true",
@@ -173,6 +187,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.function is not None or args.openwhisk:
+        if args.name or args.model_dir or args.pool_socket or args.token_stdin:
+            return _fail("worker", ValueError("--name, --model-dir, --pool-socket and --token-stdin are "
+                                              "for a standalone worker only"), 2)  # fmt: skip
+        return _knative_worker(args) if args.function is not None else _openwhisk_worker(args)
+    if not (args.name and args.model_dir and args.pool_socket):
+        return _fail("worker", ValueError("give --function, --openwhisk, or --name, --model-dir and "
+                                          "--pool-socket"), 2)  # fmt: skip
     from gateway.compose import standalone_assignment
     from runtime.worker import serve
     from runtime.worker_guard import GuardConfig
@@ -184,8 +206,59 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("worker", exc, 2)
     assignment = standalone_assignment(args.name, Path(args.model_dir), args.pool_socket)
-    serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
+    host, port = args.host or "127.0.0.1", args.port or 0
+    serve(host, port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
     return 0
+
+
+def _secret_free_environ() -> dict[str, str]:
+    """This process's environment, read once; its secrets are then hidden from handler code."""
+    import os
+
+    from gateway import compose, secret_env
+
+    env = dict(os.environ)
+    secret_env.hide((compose.WORKER_TOKEN_ENV, *secret_env.SECRETS))
+    return env
+
+
+def _knative_worker(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from gateway.compose import build_knative_worker
+    from runtime import knative_worker
+    from scheduler.errors import SchedulerError
+
+    env = _secret_free_environ()
+    try:
+        worker = build_knative_worker(args.function, env, args.max_body_bytes)
+    except (ValueError, SchedulerError) as exc:
+        return _fail("worker", exc, 2)
+    config = worker.config
+    try:
+        if args.host is not None or args.port is not None:
+            config = replace(config, host=args.host or config.host, port=args.port or config.port)
+    except ValueError as exc:
+        worker.record.gone()
+        return _fail("worker", exc, 2)
+    return knative_worker.serve(config, worker.assignment, worker.guard, worker.record)
+
+
+def _openwhisk_worker(args: argparse.Namespace) -> int:
+    from gateway.compose import build_openwhisk_worker
+    from gpu_pool.errors import ConfigError, PoolError
+    from runtime import openwhisk
+
+    env = _secret_free_environ()
+    try:
+        worker = build_openwhisk_worker(env)
+    except (ValueError, ConfigError, PoolError, OSError) as exc:
+        return _fail("worker", exc, 2)
+    try:
+        host, port = args.host or "0.0.0.0", args.port or openwhisk.PORT
+        return openwhisk.serve(worker.prepare, host, port, args.max_body_bytes)
+    finally:
+        worker.close()
 
 
 def _client(args: argparse.Namespace) -> Any:

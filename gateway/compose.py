@@ -182,3 +182,168 @@ def standalone_assignment(name: str, model_dir: Path, pool_socket: str) -> Assig
          "spec": {"model": {"source": model.record["source"], "dtype": model.record["dtype"]}}}
     ).to_document()  # fmt: skip
     return AssignMessage("0", spec, str(model_dir), pool_socket, None, time.time() + 300)
+
+
+# ----- cluster mode: the worker in a function pod, and as an OpenWhisk action -----------------
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gateway.pod_instance import PodInstanceRecord
+    from runtime.knative_worker import KnativeConfig
+    from runtime.openwhisk import InitValue
+    from runtime.worker_guard import GuardConfig
+
+WORKER_TOKEN_ENV = "EMBER_WORKER_TOKEN"  # the worker's credential in a function pod (a Secret)
+FUNCTION_SPEC_ENV = "EMBER_FUNCTION_SPEC"  # an OpenWhisk image's own spec, for an /init without code
+INIT_TIMEOUT_S = 300.0  # a handler's static initializer must finish within this
+
+
+@dataclass(frozen=True)
+class KnativeWorker:
+    """``ember worker --function ID``'s parts (:func:`runtime.knative_worker.serve` takes them)."""
+
+    config: KnativeConfig
+    assignment: AssignMessage
+    guard: GuardConfig
+    record: PodInstanceRecord
+
+
+def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_bytes: int) -> KnativeWorker:
+    """Read function ``function_id``'s record from Redis and record this pod's instance.
+
+    ``env`` is the pod's environment: ``EMBER_WORKER_TOKEN`` and ``EMBER_REDIS_URL`` (with
+    ``EMBER_REDIS_PASSWORD`` joined in, :mod:`gateway.redis_auth`) and ``EMBER_NODE_NAME``
+    are required; the pool is ``$EMBER_POOL_DIR/cpu.sock``; :class:`KnativeConfig` reads the
+    rest. ValueError for a bad or missing setting or an unregistered model; the scheduler's
+    errors for Redis (:class:`~scheduler.errors.FunctionNotFound` when it is not deployed).
+    """
+    import re
+    import time
+
+    from gateway.pod_instance import PodInstanceRecord
+    from gateway.redis_auth import PASSWORD_ENV, with_password
+    from runtime.knative_worker import KnativeConfig
+    from runtime.messages import AssignMessage
+    from runtime.worker_guard import GuardConfig
+    from scheduler import cluster_keys, names
+    from scheduler.state import ClusterState
+
+    namespace, name = names.split(function_id)
+    if not (names.is_label(namespace) and names.is_label(name)):
+        raise ValueError(f"--function {function_id!r} is not a function id (NAME or NAMESPACE/NAME)")
+    token = env.get(WORKER_TOKEN_ENV, "")
+    if not token:
+        raise ValueError(f"{WORKER_TOKEN_ENV} is required: the credential the gateway calls this worker with")
+    guard = GuardConfig(token, max_body_bytes)
+    config = KnativeConfig.from_env(env)
+    node = env.get(cluster_keys.NODE_NAME_ENV, "").strip()
+    if len(node) > 253 or not re.fullmatch(r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?", node):  # a DNS subdomain
+        raise ValueError(f"{cluster_keys.NODE_NAME_ENV} must be the pod's node name (downward API)")
+    url = with_password(env.get("EMBER_REDIS_URL") or None, env.get(PASSWORD_ENV) or None)
+    if url is None:
+        raise ValueError("EMBER_REDIS_URL is required: the cluster state holds the function's record")
+    pool_dir = Path(env.get(cluster_keys.POOL_DIR_ENV) or cluster_keys.DEFAULT_POOL_DIR)
+    state = ClusterState.from_url(url)
+    try:
+        record = state.function(function_id)
+        if record.model is None:
+            raise ValueError(f"function {function_id!r}: its model is not registered yet")
+        instance = PodInstanceRecord.create(state, function_id, cluster_keys.device_id(node))
+    except BaseException:
+        state.close()
+        raise
+    try:
+        assignment = AssignMessage(
+            instance.instance_id,
+            record.spec,
+            record.model.dir,
+            str(pool_dir / cluster_keys.CPU_SOCKET),
+            None,  # no ticket: the node's pool gives sessions without one its session KV quota
+            time.time() + config.pool_wait_s + INIT_TIMEOUT_S,
+        )
+    except BaseException:
+        instance.gone()
+        raise
+    return KnativeWorker(config, assignment, guard, instance)
+
+
+@dataclass(frozen=True)
+class OpenWhiskWorker:
+    """``ember worker --openwhisk``'s parts: ``prepare`` for ``/init``, ``close`` at exit."""
+
+    prepare: Callable[[InitValue], AssignMessage]
+    pool_socket: str
+    close: Callable[[], None]  # stops the private pool daemon, when there is one
+
+
+def build_openwhisk_worker(env: Mapping[str, str]) -> OpenWhiskWorker:
+    """The node's pool when ``$EMBER_POOL_DIR/cpu.sock`` exists, else a private pool daemon
+    started here (arena ``EMBER_ARENA``, default 2 GiB) trusting ``EMBER_HOME/models``,
+    where ``/init`` registers the spec's model (``pkg:`` sources resolve inside the image).
+    With the node's pool, ``EMBER_HOME`` must be the node's model store, which it trusts.
+    Call from a long-lived thread (the private pool gets SIGTERM when it ends)."""
+    import shutil
+    import tempfile
+
+    from gpu_pool.config import parse_size
+    from gpu_pool.spawn import PoolProcess
+    from runtime.process import die_with_parent
+    from runtime.registry import models_dir
+    from scheduler import cluster_keys
+
+    home = Path(env.get("EMBER_HOME") or Path.home() / ".ember").expanduser()
+    node_socket = Path(env.get(cluster_keys.POOL_DIR_ENV) or cluster_keys.DEFAULT_POOL_DIR)
+    node_socket /= cluster_keys.CPU_SOCKET
+    spec_file = env.get(FUNCTION_SPEC_ENV) or None
+    if node_socket.is_socket():
+        pool_socket, close = str(node_socket), lambda: None
+    else:
+        arena = parse_size(env.get("EMBER_ARENA") or "2GiB", "EMBER_ARENA")
+        store = models_dir(home)
+        store.mkdir(parents=True, exist_ok=True)
+        run_dir = tempfile.mkdtemp(prefix="ember-pool-")  # short: a socket path has 108 bytes
+        try:
+            pool = PoolProcess(
+                f"{run_dir}/cpu.sock", arena, "cpu", (), {"EMBER_POOL_PREFAULT": "false"},
+                die_with_parent(), log_path=f"{run_dir}/pool.log", store_roots=(store,),
+            )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        pool_socket = pool.socket_path
+
+        def close() -> None:
+            pool.stop()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def prepare(value: InitValue) -> AssignMessage:
+        return _openwhisk_assignment(value, home, pool_socket, spec_file)
+
+    return OpenWhiskWorker(prepare, pool_socket, close)
+
+
+def _openwhisk_assignment(
+    value: InitValue, home: Path, pool_socket: str, spec_file: str | None
+) -> AssignMessage:
+    """``/init``'s spec, its model registered under ``home``: the action's assignment."""
+    import time
+
+    from runtime.messages import AssignMessage
+    from runtime.registry import register
+    from scheduler.spec import parse_function_yaml
+
+    text = value.code
+    if text is None and spec_file is not None:
+        text = Path(spec_file).read_text()
+    if text is None:
+        raise ValueError(f"value.code must carry the function spec (or the image set {FUNCTION_SPEC_ENV})")
+    document = parse_function_yaml(text).to_document()
+    body = document["spec"]
+    module, _, function = body["handler"].rpartition(":")
+    if module and not Path(module).is_absolute():  # relative: a module of the image's function code
+        body["handler"] = f"{home / 'functions' / module}:{function}"
+    model = register(body["model"]["source"], body["model"]["dtype"], home=home)
+    deadline = time.time() + INIT_TIMEOUT_S
+    instance_id = value.name or "openwhisk"
+    return AssignMessage(instance_id, document, str(model.directory), pool_socket, None, deadline)

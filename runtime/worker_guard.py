@@ -6,6 +6,9 @@ environment: those are readable through ``/proc``); every route but ``/healthz``
 in the ``X-Ember-Worker-Token`` header (compared in constant time), else 401. Bodies larger
 than ``max_body_bytes`` are answered 413 before they are buffered: from ``Content-Length``
 when given, else while a chunked body arrives (at most ``max_body_bytes`` are held).
+``/readyz`` is open too (a Knative readiness probe carries no credential; it says only
+whether the instance serves). :class:`BodyLimit` alone bounds bodies where the caller has no
+credential to give (OpenWhisk's invoker, :mod:`runtime.openwhisk`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TOKEN_HEADER = "x-ember-worker-token"
-OPEN_PATHS = frozenset({"/healthz"})  # liveness only: says nothing a caller could misuse
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # liveness and readiness: nothing a caller could misuse
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a few MB: far above any prompt that fits a context
 
 Scope = MutableMapping[str, Any]
@@ -48,6 +51,7 @@ class WorkerGuard:
         self.app = app
         self.config = config
         self._token = config.token.encode()
+        self._bounded = BodyLimit(app, config.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -57,7 +61,24 @@ class WorkerGuard:
         if not hmac.compare_digest(headers.get(TOKEN_HEADER.encode(), b""), self._token):
             await _reply(send, 401, "unauthorized", f"this worker requires its {TOKEN_HEADER} header")
             return
-        limit = self.config.max_body_bytes
+        await self._bounded(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware answering 413 to bodies over ``max_body_bytes`` before buffering them."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        if max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1 KiB")
+        self.app = app
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[bytes, bytes] = dict(scope.get("headers") or ())
+        limit = self.limit
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) > limit:

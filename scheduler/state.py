@@ -41,6 +41,7 @@ from scheduler.records import ENCODING_VERSION, DeviceReport, FunctionRecord, In
 __all__ = ["ENCODING_VERSION", "ClusterState", "Instance", "Slot"]
 LIVE_STATES = ("starting", "ready")
 STATES = ("starting", "ready", "draining", "gone")
+_UNBOUNDED = 2**31 - 1  # "desired" instances for add_instance: scale_up never declines
 
 _T = TypeVar("_T")
 
@@ -221,6 +222,13 @@ class ClusterState:
         args: list[Any] = [desired, function, device, now if now is not None else time.time(), self.p]
         result = self._call(lambda: self._scale_up(keys=keys, args=args))
         return str(result) if result else None
+
+    def add_instance(self, function: str, device: str, now: float | None = None) -> str:
+        """Record a new ``starting`` instance whatever the function's scale; its id. For
+        instances that another autoscaler starts and stops (a Knative pod records itself)."""
+        new_id = self.scale_up(function, _UNBOUNDED, device, now)
+        assert new_id is not None  # no function has _UNBOUNDED live instances
+        return new_id
 
     def transition(
         self, instance_id: str, from_state: str, to_state: str, **fields: str | int | float

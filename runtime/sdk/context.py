@@ -6,8 +6,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.instance import ModelBinding
@@ -83,6 +83,9 @@ class Context:
     logger: logging.Logger
     deadline: float  # time.time() by which the request must finish
     state: Any = None  # the initializer's result (None without one)
+    # The request's own environment: an OpenWhisk activation's __OW_* values (runtime.openwhisk),
+    # also in os.environ while it runs; empty for other requests.
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def function_name(self) -> str:

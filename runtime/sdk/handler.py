@@ -13,7 +13,7 @@ import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,17 +92,22 @@ class HandlerRunner:
         self.static = own if own is not None else spec["spec"].get("init", "static") == "static"
         self._static_state: Any = None
 
-    def _context(self, request_id: str, deadline: float, state: Any = None) -> Context:
-        return Context(self.model, self.spec, request_id, self.logger, deadline, state)
+    def _context(
+        self, request_id: str, deadline: float, state: Any = None, env: Mapping[str, str] | None = None
+    ) -> Context:
+        return Context(self.model, self.spec, request_id, self.logger, deadline, state, dict(env or {}))
 
     async def setup(self, deadline: float) -> None:
         """Run a static initializer (at instance start, before the instance is ready)."""
         if self.loaded.initializer is not None and self.static:
             self._static_state = await _call(self.loaded.initializer, self._context("init", deadline))
 
-    async def invoke(self, event: Any, request_id: str, deadline: float) -> Any:
-        """``handler(event, context)``; a dynamic initializer runs first, for this request only."""
+    async def invoke(
+        self, event: Any, request_id: str, deadline: float, env: Mapping[str, str] | None = None
+    ) -> Any:
+        """``handler(event, context)``; a dynamic initializer runs first, for this request only.
+        ``env``: the request's own environment (:attr:`Context.env`)."""
         state = self._static_state
         if self.loaded.initializer is not None and not self.static:
-            state = await _call(self.loaded.initializer, self._context(request_id, deadline))
-        return await _call(self.loaded.handler, event, self._context(request_id, deadline, state))
+            state = await _call(self.loaded.initializer, self._context(request_id, deadline, env=env))
+        return await _call(self.loaded.handler, event, self._context(request_id, deadline, state, env))
