@@ -105,6 +105,17 @@ def _parser() -> argparse.ArgumentParser:
         help="read the worker's credential from stdin (default: generate one, printed when ready)",
     )
     worker.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    extender = verbs.add_parser(
+        "extender", help="serve the kube-scheduler extender (residency-aware placement)"
+    )
+    extender.add_argument("--host", default=None, help="listen address (EMBER_HOST, default 127.0.0.1)")
+    extender.add_argument(
+        "--port", type=int, default=None, help="listen port (EMBER_EXTENDER_PORT, default 8090)"
+    )
+    extender.add_argument("--redis", default=None, help="the cluster's Redis URL (EMBER_REDIS_URL)")
+    extender.add_argument(
+        "--prefix", default=None, help="URL prefix of /filter and /prioritize (default /extender)"
+    )
     return parser
 
 
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {
         "serve": _serve, "pool": _pool, "generate": _generate, "worker": _worker, "deploy": _deploy,
         "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
-        "status": _status, "tenant": _tenant,
+        "status": _status, "tenant": _tenant, "extender": _extender,
     }[args.verb]  # fmt: skip
 
     from gateway.client import GatewayError
@@ -169,6 +180,22 @@ def _pool(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail("pool", exc, 2)
     return run(config)
+
+
+def _extender(args: argparse.Namespace) -> int:
+    from gateway.extender import ExtenderServeConfig, log_decisions, serve_extender
+
+    try:
+        config = ExtenderServeConfig.from_env(
+            host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix
+        )
+    except ValueError as exc:
+        return _fail("extender", exc, 2)
+    log_decisions()
+    import uvloop
+
+    uvloop.run(serve_extender(config))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from scheduler.errors import (
     StateNotWritable,
     StateUnavailable,
 )
+from scheduler.extender.wire import ExtenderWireError
 from scheduler.router import Rejected, StartFailed
 from scheduler.spec import SpecError
 
@@ -45,6 +46,7 @@ ERROR_STATUS: dict[type[Exception], int] = {
     SpecError: 400,
     ModelSourceError: 400,
     BadRequest: 400,
+    ExtenderWireError: 400,
     BodyTimeout: 408,
     BodyTooLarge: 413,
     EdgeError: 400,  # JSONError, a malformed query; after its subclasses above

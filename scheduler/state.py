@@ -316,11 +316,15 @@ class ClusterState:
     def device_reports(self) -> dict[str, DeviceReport]:
         """Every device's latest report, by device id (sorted)."""
         pattern = f"{self.p}device:*"
-        keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern)))
+        # Two round trips whatever the device count (the scheduler extender reads every report
+        # per placement): one SCAN page of up to 1000 keys at a time, then one MGET.
+        keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)))
+        if not keys:
+            return {}
+        values: list[str | None] = self._call(functools.partial(self.r.mget, keys))
         out = {}
-        for k in keys:
-            raw: str | None = self._call(functools.partial(self.r.get, k))
-            if raw is not None:
+        for k, raw in zip(keys, values, strict=True):
+            if raw is not None:  # deleted between the SCAN and the MGET
                 device_id = k[len(f"{self.p}device:") :]
                 out[device_id] = DeviceReport.decode(device_id, str(raw))
         return out

@@ -33,14 +33,15 @@ def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights in Hugging Face layout (untied lm_head)."""
+def hf_weights(seed: int = 0, layers: int = LAYERS) -> dict[str, np.ndarray]:
+    """Random weights in Hugging Face layout (untied lm_head); ``layers`` sets the size
+    (about 37 KB of float32 per layer on top of 68 KB)."""
     rng = np.random.default_rng(seed)
     vocab = len(byte_level_vocab()[0])
     w: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": rng.standard_normal((vocab, HIDDEN), dtype=np.float32)
     }
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = rng.standard_normal(HIDDEN, dtype=np.float32)
         w[p + "self_attn.q_proj.weight"] = rng.standard_normal((HEADS * HEAD_DIM, HIDDEN), dtype=np.float32)
@@ -66,7 +67,8 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray]) -> None:
 
     tokens, merges, types = byte_level_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
+    layers = [int(n.split(".")[2]) for n in weights if n.startswith("model.layers.")]
+    w.add_block_count(1 + max(layers, default=LAYERS - 1))  # the layers written (hf_weights' layers)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTER)

@@ -88,6 +88,23 @@ def test_device_reports(state: ClusterState) -> None:
     assert state.devices()["n/cpu"]["models"]["m"]["resident_bytes"] == 4
 
 
+def test_device_reports_of_many_devices_take_two_round_trips(state: ClusterState) -> None:
+    """The scheduler extender reads every report per placement: one SCAN page, one MGET."""
+    for i in range(250):
+        state.report_device(f"node-{i:03d}/cpu", {"free_bytes": i, "models": {"m": i}})
+
+    def calls() -> dict[str, int]:
+        stats = state.r.info("commandstats")
+        return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("scan", "get", "mget")}
+
+    before = calls()
+    reports = state.device_reports()
+    after = calls()
+    assert list(reports) == [f"node-{i:03d}/cpu" for i in range(250)]
+    assert [r.free_bytes for r in reports.values()] == list(range(250))
+    assert {c: after[c] - before[c] for c in after} == {"scan": 1, "get": 0, "mget": 1}
+
+
 def test_expire_drains_only_the_callers_devices(state: ClusterState) -> None:
     a = state.scale_up("f", 2, "node-a/cpu", now=0.0)
     b = state.scale_up("f", 2, "node-b/cpu", now=0.0)
