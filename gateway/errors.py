@@ -18,12 +18,13 @@ from gateway.proxy import BadRequest, InvocationError
 from gateway.tenants import Forbidden
 from scheduler.errors import (
     FunctionNotFound,
+    Rejected,
     SchedulerError,
+    StartFailed,
     StateConflict,
     StateNotWritable,
     StateUnavailable,
 )
-from scheduler.router import Rejected, StartFailed
 from scheduler.spec import SpecError
 
 
