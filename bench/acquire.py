@@ -43,7 +43,7 @@ arena = client.arena()
 t3 = time.perf_counter()
 views = {e.name: client.view(reply["placements"][e.name], e.dtype, e.shape) for e in manifest.tensors}
 t4 = time.perf_counter()
-assert len(views) == len(manifest.tensors) and reply["bytes_loaded"] == 0
+assert len(views) == len(manifest.tensors) and reply["report"]["bytes_loaded"] == 0
 client.close()
 b0 = time.perf_counter()
 loaded = {k: v.clone() for k, v in load_file(manifest.tensors[0].file).items()}  # private copy, no pool

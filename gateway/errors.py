@@ -18,13 +18,14 @@ from gateway.proxy import BadRequest, InvocationError
 from gateway.tenants import Forbidden
 from scheduler.errors import (
     FunctionNotFound,
+    Rejected,
     SchedulerError,
+    StartFailed,
     StateConflict,
     StateNotWritable,
     StateUnavailable,
 )
 from scheduler.extender.wire import ExtenderWireError
-from scheduler.router import Rejected, StartFailed
 from scheduler.spec import SpecError
 
 

@@ -22,6 +22,8 @@ Reuse Store micro-benchmarks in ``bench/`` measure internals by design):
 
 * :mod:`gpu_pool.client`: ``PoolClient``, ``RemotePoolError``, ``premap``, ``MappedArena``,
   ``KVBlocks``, ``AcquireReport``;
+* :mod:`gpu_pool.acquire_report`: ``AcquireReport`` (what an acquire cost, from the Reuse Store
+  to the node agent) with its versioned wire encoding;
 * :mod:`gpu_pool.store`: ``write``, ``read``, ``verify`` of model store entries;
 * :mod:`gpu_pool.manifest`: ``Manifest``, ``TensorEntry``;
 * :mod:`gpu_pool.errors`: the typed errors, each with its wire ``code``;
@@ -34,4 +36,14 @@ Reuse Store micro-benchmarks in ``bench/`` measure internals by design):
 direction. This package imports nothing else of Ember's.
 """
 
-__all__ = ["cli", "client", "config", "cuda_backend", "errors", "manifest", "spawn", "store"]
+__all__ = [
+    "acquire_report",
+    "cli",
+    "client",
+    "config",
+    "cuda_backend",
+    "errors",
+    "manifest",
+    "spawn",
+    "store",
+]

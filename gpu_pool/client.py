@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena import mapping
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
 from gpu_pool.manifest import Manifest
@@ -30,6 +31,8 @@ from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, s
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["AcquireReport", "KVBlocks", "MappedArena", "PoolClient", "RemotePoolError", "premap"]
 
 
 class RemotePoolError(PoolError):
@@ -47,18 +50,6 @@ class RemotePoolError(PoolError):
 
     def details(self) -> dict[str, Any]:
         return dict(self.error_details)
-
-
-@dataclass(frozen=True, slots=True)
-class AcquireReport:
-    """What the last ``acquire`` cost, as the daemon measured it."""
-
-    bytes_loaded: int
-    bytes_reused: int
-    bytes_moved: int
-    bytes_evicted: int
-    load_seconds: float
-    plan_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +190,7 @@ class PoolClient:
     def acquire(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """Pin ``manifest``'s tensors (loading missing ones) and return views into the arena."""
         reply = self._call("acquire", manifest_bin=manifest.encoded())
-        self.last_acquire = AcquireReport(
-            reply["bytes_loaded"],
-            reply["bytes_reused"],
-            reply["bytes_moved"],
-            reply["bytes_evicted"],
-            reply["load_seconds"],
-            reply["plan_seconds"],
-        )
+        self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
         return {e.name: self.view(placements[e.name], e.dtype, e.shape) for e in manifest.tensors}
 

@@ -4,7 +4,14 @@ weights and KV blocks from ``gpu_pool.client``. Today it holds model registratio
 (:mod:`runtime.registry`: GGUF, safetensors and ``pkg:`` sources into the model store);
 the engine and workers are built by the inference-engine and serving issues.
 :mod:`runtime.supervisor` restarts dead children (pool daemons, the embedded redis-server)
-with exponential backoff. :mod:`runtime.sandbox` confines each worker the agent starts with
+with exponential backoff.
+
+The node agent (:mod:`runtime.agent`) is made of :mod:`runtime.device_pools` (the pool
+daemons and their supervision), :mod:`runtime.warm_pool` (the pre-warmed workers),
+:mod:`runtime.worker_handle` (one worker as the agent sees it), :mod:`runtime.device_report`
+(the scheduler's device record) and :mod:`runtime.agent_config`. It talks to workers in
+:mod:`runtime.messages`; the assign reply carries ``gpu_pool``'s ``AcquireReport``.
+:mod:`runtime.sandbox` confines each worker the agent starts with
 Landlock, so handler code cannot read ``EMBER_HOME`` beyond ``models/``, ``functions/``
 and ``tmp/`` (no ``serve.json``, Redis files or logs), write it beyond ``tmp/``, or signal
 processes outside the worker.

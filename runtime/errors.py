@@ -19,3 +19,9 @@ class RegistrationError(EmberRuntimeError):
     """A model could not be registered (unsupported architecture, bad file, ...)."""
 
     code = "registration_error"
+
+
+class LaunchError(EmberRuntimeError):
+    """An instance could not be started (the worker refused its function or died)."""
+
+    code = "launch_error"

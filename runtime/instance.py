@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_pool.acquire_report import AcquireReport
 from runtime.chat import ChatTemplate, ChatTemplateError
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
@@ -102,8 +103,8 @@ class ModelBinding:
     template: ModelTemplate
     engine: Engine
     max_tokens_default: int
+    acquire_report: AcquireReport  # what the pool's acquire of the weights cost
     timings_ms: dict[str, float] = field(default_factory=dict)
-    acquire_report: dict[str, Any] = field(default_factory=dict)
 
     def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
         """Token ids of a chat (rendered with the model's template) or completion prompt."""
@@ -179,11 +180,5 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
         EngineConfig(profile["block_size"]),
     )
     timings["build_ms"] = (time.perf_counter() - t1) * 1e3
-    report = client.last_acquire
-    acquired = {
-        "bytes_loaded": report.bytes_loaded,
-        "bytes_reused": report.bytes_reused,
-        "bytes_moved": report.bytes_moved,
-        "load_seconds": report.load_seconds,
-    }
-    return ModelBinding(template, engine, max_tokens, timings, acquired)
+    report: AcquireReport = client.last_acquire
+    return ModelBinding(template, engine, max_tokens, report, timings)

@@ -1,10 +1,13 @@
-"""The agent's messages to its workers (``/_ember/assign``, ``/_ember/preload``, ``/_ember/threads``).
+"""The agent's messages to its workers (``/_ember/assign``, ``/_ember/preload``, ``/_ember/threads``)
+and the worker's reply to an assign (:class:`AssignReply`).
 
-Each message is a frozen dataclass with ``to_json`` (what the agent sends) and ``from_json``
-(what the worker accepts). ``from_json`` checks the body's size, that it is a JSON object with
+Each message is a frozen dataclass with ``to_json`` (what the sender sends) and ``from_json``
+(what the receiver accepts). ``from_json`` checks the body's size, that it is a JSON object with
 exactly the message's fields, their types and bounds, and raises :class:`MessageError` (a
-``ValueError``: the worker answers 400) for anything else. The spec travels as the function's
-spec document (as stored by the scheduler); runtime does not import the scheduler.
+``ValueError``: the worker answers 400, the agent fails the launch) for anything else. The spec
+travels as the function's spec document (as stored by the scheduler); runtime does not import
+the scheduler. The assign reply's acquire report is :class:`gpu_pool.acquire_report.AcquireReport`
+in its own versioned encoding.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpu_pool.acquire_report import AcquireReport
+from gpu_pool.errors import PoolError
+
 MAX_MESSAGE_BYTES = 1 << 20  # a spec document is a few KiB; anything near this is not a message
 MAX_TEXT = 4096  # characters of a path, id or ticket
 MAX_THREADS = 4096  # intra-op threads of one instance
+MAX_TIMINGS = 64  # named steps in an assign reply's timings
+MAX_TIMING_NAME = 64  # characters of a step's name
 
 
 class MessageError(ValueError):
@@ -133,3 +141,43 @@ class ThreadsMessage:
     def from_json(cls, raw: bytes | str) -> ThreadsMessage:
         """The message in ``raw``; :class:`MessageError` if it is not one."""
         return cls(**_object(raw, frozenset({"num_threads"}), frozenset({"num_threads"})))
+
+
+@dataclass(frozen=True, slots=True)
+class AssignReply:
+    """The worker's answer to ``/_ember/assign``: it is instance ``instance_id`` now, its
+    start's steps took ``timings_ms``, and the pool's acquire of its weights cost ``acquire``."""
+
+    instance_id: str
+    timings_ms: dict[str, float]  # step name -> milliseconds
+    acquire: AcquireReport
+
+    def __post_init__(self) -> None:
+        _text(self.instance_id, "instance_id")
+        timings = self.timings_ms
+        if not isinstance(timings, dict) or len(timings) > MAX_TIMINGS:
+            raise MessageError(f"timings_ms must be an object of at most {MAX_TIMINGS} steps")
+        for name, ms in timings.items():
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_TIMING_NAME:
+                raise MessageError(f"timings_ms: step names have 1 to {MAX_TIMING_NAME} characters")
+            if isinstance(ms, bool) or not isinstance(ms, int | float) or not (math.isfinite(ms) and ms >= 0):
+                raise MessageError(f"timings_ms: {name!r} must be a finite, non-negative number")
+        if not isinstance(self.acquire, AcquireReport):
+            raise MessageError("acquire must be an acquire report")
+
+    def to_json(self) -> str:
+        acquire = self.acquire.to_wire()
+        return json.dumps(
+            {"instance_id": self.instance_id, "timings_ms": self.timings_ms, "acquire": acquire}
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> AssignReply:
+        """The reply in ``raw``; :class:`MessageError` if it is not one."""
+        fields = frozenset(cls.__dataclass_fields__)
+        data = _object(raw, fields, fields)
+        try:
+            acquire = AcquireReport.from_wire(data["acquire"])
+        except PoolError as exc:
+            raise MessageError(f"acquire: {exc}") from None
+        return cls(data["instance_id"], data["timings_ms"], acquire)

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
-from runtime.messages import AssignMessage, MessageError, PreloadMessage, ThreadsMessage
+from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
 from runtime.openai_api import (
     RequestError,
     completion_body,
@@ -123,7 +123,7 @@ def _pool_lost() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def assign(state: WorkerState, message: AssignMessage) -> dict[str, Any]:
+async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
     """Become instance ``message.instance_id`` of ``message.spec``'s function (see module docstring)."""
     from gpu_pool.client import PoolClient
 
@@ -170,7 +170,7 @@ async def assign(state: WorkerState, message: AssignMessage) -> dict[str, Any]:
     state.assignment = Assignment(message.instance_id, spec, binding, client, runner, driver)
     timings = {"template_ms": (t_template - t0) * 1e3, **binding.timings_ms}
     timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
-    return {"instance_id": message.instance_id, "timings_ms": timings, "acquire": binding.acquire_report}
+    return AssignReply(message.instance_id, timings, binding.acquire_report)
 
 
 def build_app(state: WorkerState) -> FastAPI:
@@ -231,7 +231,8 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(409, "already_assigned", "this worker already serves a function")
         state.assigning = True
         try:
-            return await assign(state, AssignMessage.from_json(await raw.body()))
+            reply = await assign(state, AssignMessage.from_json(await raw.body()))
+            return Response(reply.to_json(), media_type="application/json")
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error

@@ -5,5 +5,7 @@ qualified id (``namespace/name``) that keys it in the state; :mod:`scheduler.pol
 holds Tangram's affinity placement (Alg. 2, Eq. 3), scale-by-concurrency and early reject;
 :mod:`scheduler.state` keeps functions, instances and device reports in Redis with atomic
 Lua transitions; :mod:`scheduler.redis_server` runs embedded mode's own ``redis-server``.
-The gateway and agents that drive them come with the serving work.
+:mod:`scheduler.router` routes requests and reconciles (keep-alive, health, minScale), starting
+instances through :mod:`scheduler.cold_start`; :mod:`scheduler.leases` keeps finished
+requests' slots for the next one.
 """

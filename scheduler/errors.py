@@ -42,3 +42,19 @@ class StatePersistenceFailed(StateNotWritable):
     """Redis cannot persist (its ``MISCONF`` error: a failed background save, a full disk)."""
 
     code = "state_persistence_failed"
+
+
+class Rejected(SchedulerError):
+    """The request cannot start before its deadline (HTTP 503 with Retry-After)."""
+
+    code = "rejected"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StartFailed(SchedulerError):
+    """The function's instance failed to start; the message says why."""
+
+    code = "instance_start_failed"

@@ -20,11 +20,13 @@ when its instance dies, its function is redeployed or deleted, or the gateway st
 held it counts as in flight for other gateways, which therefore route around it or scale up
 as if it were busy.
 
-A lost instance (a request's connection to it broke, or reconcile found its process dead)
-goes through one place, :meth:`Router.instance_lost`. Reconcile's steps are named methods:
-:meth:`~Router.release_pending`, :meth:`~Router.expire_idle`, :meth:`~Router.forget_dead`,
-:meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`. Function records arrive
-typed (:class:`scheduler.records.FunctionRecord`): keep-alive and scaling are parsed once.
+Starting an instance (placement, launch, recording it ready, remembering a failed start) is
+:mod:`scheduler.cold_start`. A lost instance (a request's connection to it broke, or reconcile
+found its process dead) goes through one place, :meth:`Router.instance_lost`. Reconcile's
+steps are named methods: :meth:`~Router.release_pending`, :meth:`~Router.expire_idle`,
+:meth:`~Router.forget_dead`, :meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`.
+Function records arrive typed (:class:`scheduler.records.FunctionRecord`): keep-alive and
+scaling are parsed once.
 """
 
 from __future__ import annotations
@@ -38,30 +40,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from scheduler.errors import SchedulerError, StateConflict, StateUnavailable
+from scheduler.cold_start import ColdStarter
+from scheduler.errors import Rejected, SchedulerError, StartFailed, StateConflict, StateUnavailable
 from scheduler.launcher import BaseLauncher, StartedInstance
 from scheduler.leases import Leases
-from scheduler.policies import DeviceState, ModelDemand, desired_instances, place, should_reject
+from scheduler.policies import desired_instances, should_reject
 from scheduler.records import FunctionRecord, Instance
 from scheduler.state import ClusterState
 
+__all__ = ["Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
+
 log = logging.getLogger("ember.scheduler")
-
-
-class Rejected(SchedulerError):
-    """The request cannot start before its deadline (HTTP 503 with Retry-After)."""
-
-    code = "rejected"
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class StartFailed(SchedulerError):
-    """The function's instance failed to start; the message says why."""
-
-    code = "instance_start_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +94,11 @@ class Router:
         self.state = state
         self.launcher = launcher
         self.config = config or RouterConfig()
-        self.on_start = on_start
+        self.starter = ColdStarter(state, launcher, self.config.start_backoff_s, self._notify, on_start)
         self._waiting: dict[str, int] = {}
         self._changed: dict[str, asyncio.Event] = {}
-        self._start_errors: dict[str, tuple[float, str]] = {}
         self._service_s: dict[str, float] = {}  # EWMA of request service time per function
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._launching: set[str] = set()  # instance ids whose start this router is running
         self._unreleased: list[tuple[str, float]] = []  # slots to release once Redis answers
         self.leases = Leases(self.config.lease_s, self.config.max_leases, self.release, self._spawn)
         self._last_report = 0.0
@@ -141,7 +128,7 @@ class Router:
                 hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
-                failed = self._start_errors.get(name)
+                failed = self.starter.failure(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
                 await self._scale_up(name, record, deadline)
@@ -196,7 +183,7 @@ class Router:
         if mine and not self.launcher.alive(lost.instance_id):
             log.warning("instance %s of %s died; forgetting it", lost.instance_id, name)
             await self.drop_leases(name, lost.instance_id)
-            await asyncio.to_thread(self._forget, name, lost.instance_id, "ready")
+            await asyncio.to_thread(self.state.forget_from, name, lost.instance_id, "ready")
             await self.launcher.stop(lost.instance_id)  # reap it, drop it from the agent's books
             self._notify(name)
             return True
@@ -226,99 +213,16 @@ class Router:
                 if should_reject(wait, left):
                     raise Rejected(f"{name!r} is at maxScale and busy; expected wait {wait:.1f} s", wait)
             return
-        device, expected = await self._place(record)
+        device, expected = await self.starter.place(record)
         if device is None:
             raise Rejected(f"no device can hold {name!r}'s model now", 5.0)
         if should_reject(expected + self.config.handover_s, left):
             raise Rejected(
                 f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
             )
-        instance_id = await asyncio.to_thread(self._scale_to, name, want, device)
+        instance_id = await asyncio.to_thread(self.state.scale_up, name, want, device)
         if instance_id is not None:
-            self._spawn(self._start(instance_id, name, record, device, deadline))
-
-    async def _place(self, record: FunctionRecord) -> tuple[str | None, float]:
-        model = record.model
-        if model is None:
-            raise StartFailed("the function's model is not registered yet; deploy it again")
-        reports = await asyncio.to_thread(self.state.device_reports)
-        devices = []
-        for device_id in self.launcher.devices():
-            r = reports.get(device_id)
-            if r is None:  # not reported yet: assume an empty device of unknown size
-                devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
-                continue
-            devices.append(
-                DeviceState(
-                    device_id,
-                    free_bytes=r.free_bytes,
-                    evictable_bytes=r.evictable_bytes,
-                    resident_bytes=dict(r.resident_bytes),
-                    disk_bandwidth=r.load_bandwidth if r.load_bandwidth > 0 else 2e9,
-                )
-            )
-        demand = ModelDemand(model.model_id, model.weight_bytes)
-        placement = place([demand], devices)[0]
-        return placement.device_id, placement.expected_start_s
-
-    async def _start(
-        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
-    ) -> None:
-        self._launching.add(instance_id)
-        try:
-            await self._launch(instance_id, name, record, device, deadline)
-        finally:
-            self._launching.discard(instance_id)
-
-    async def _launch(
-        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
-    ) -> None:
-        keep_alive = record.scaling.keep_alive_s
-        t0 = time.perf_counter()
-        try:
-            if record.model is None:  # _place checked it before the instance was created
-                raise StartFailed("the function's model is not registered yet; deploy it again")
-            # The launcher (runtime/) takes plain documents: it does not import the scheduler.
-            started = await self.launcher.launch(
-                instance_id, record.spec, record.model.encode(), device, deadline
-            )
-        except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
-            log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
-            self._start_errors[name] = (time.time(), str(exc))
-            await asyncio.to_thread(self._forget, name, instance_id, "starting")
-            self._notify(name)
-            return
-        start_ms = (time.perf_counter() - t0) * 1e3
-        try:
-            await asyncio.to_thread(
-                self.state.transition, instance_id, "starting", "ready",
-                url=started.url, token=started.token, deadline=time.time() + keep_alive, pid=started.pid,
-                bytes_loaded=started.bytes_loaded, bytes_reused=started.bytes_reused,
-                start_ms=round(start_ms, 3), log=started.log_path,
-            )  # fmt: skip
-        except StateConflict:  # deleted while starting
-            await self.launcher.stop(instance_id)
-            return
-        except Exception as exc:  # Redis away too long: do not leave a worker nobody can route to
-            log.warning("instance %s of %s could not be marked ready: %s", instance_id, name, exc)
-            await self.launcher.stop(instance_id)
-            self._start_errors[name] = (time.time(), f"could not record the instance as ready: {exc}")
-            with contextlib.suppress(SchedulerError):
-                await asyncio.to_thread(self._forget, name, instance_id, "starting")
-            self._notify(name)
-            return
-        self._start_errors.pop(name, None)
-        if self.on_start is not None:
-            self.on_start(name, started)
-        self._notify(name)
-
-    def _scale_to(self, name: str, desired: int, device: str) -> str | None:
-        return self.state.scale_up(name, desired, device)
-
-    def _forget(self, name: str, instance_id: str, from_state: str) -> None:
-        with contextlib.suppress(StateConflict):
-            self.state.transition(instance_id, from_state, "gone")
-        self.state.forget_instance(name, instance_id)
+            self._spawn(self.starter.start(instance_id, name, record, device, deadline))
 
     # ----- reconcile ------------------------------------------------------------------------
 
@@ -374,26 +278,24 @@ class Router:
                 await self.instance_lost(name, inst)
             elif (
                 inst.state == "starting"
-                and inst.instance_id not in self._launching
+                and not self.starter.launching(inst.instance_id)
                 and time.time() - inst.created > self.config.stale_start_s
             ):  # its start was lost (a crashed gateway, a failed write): nobody will finish it
-                await asyncio.to_thread(self._forget, name, inst.instance_id, "starting")
+                await asyncio.to_thread(self.state.forget_from, name, inst.instance_id, "starting")
                 self._notify(name)
 
     async def keep_min_scale(self, name: str, record: FunctionRecord) -> None:
         """Start an instance when fewer than minScale are live (not while a failed start backs off)."""
         min_scale = record.scaling.min_scale
-        failed = self._start_errors.get(name)
-        backing_off = failed is not None and time.time() - failed[0] < self.config.start_backoff_s
-        if min_scale == 0 or record.model is None or backing_off:
+        if min_scale == 0 or record.model is None or self.starter.backing_off(name):
             return
         instances = await asyncio.to_thread(self.state.instances, name)
         if sum(i.state in ("starting", "ready") for i in instances) < min_scale:
-            device, _ = await self._place(record)
+            device, _ = await self.starter.place(record)
             if device is not None:
-                new_id = await asyncio.to_thread(self._scale_to, name, min_scale, device)
+                new_id = await asyncio.to_thread(self.state.scale_up, name, min_scale, device)
                 if new_id is not None:
-                    self._spawn(self._start(new_id, name, record, device, time.time() + 600))
+                    self._spawn(self.starter.start(new_id, name, record, device, time.time() + 600))
 
     async def report_devices(self) -> None:
         """Re-publish the devices' pool stats, every ``report_every_s``."""
@@ -416,7 +318,7 @@ class Router:
 
     async def _drain(self, name: str, instance_id: str) -> None:
         await self.launcher.stop(instance_id)
-        await asyncio.to_thread(self._forget, name, instance_id, "draining")
+        await asyncio.to_thread(self.state.forget_from, name, instance_id, "draining")
         await self.launcher.report()  # residency is unchanged, but pins and sessions are not
 
     # ----- plumbing -------------------------------------------------------------------------

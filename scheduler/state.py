@@ -19,6 +19,7 @@ Records are decoded once, here, into the typed values of :mod:`scheduler.records
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -305,6 +306,12 @@ class ClusterState:
         """Drop a gone instance's record."""
         self._call(lambda: self.r.srem(f"{self.p}fn:{function}:instances", instance_id))
         self._call(lambda: self.r.delete(f"{self.p}instance:{instance_id}"))
+
+    def forget_from(self, function: str, instance_id: str, from_state: str) -> None:
+        """Mark an instance ``gone`` (if it still is ``from_state``) and drop its record."""
+        with contextlib.suppress(StateConflict):
+            self.transition(instance_id, from_state, "gone")
+        self.forget_instance(function, instance_id)
 
     # ----- devices -------------------------------------------------------------------------
 

@@ -282,15 +282,7 @@ class PoolDaemon:
         else:
             parsed = Manifest.from_dict(request.manifest)
         result = await self._acquire(session.session_id, await self._trusted(parsed))
-        return {
-            "placements": result.placements,
-            "bytes_loaded": result.bytes_loaded,
-            "bytes_reused": result.bytes_reused,
-            "bytes_moved": result.bytes_moved,
-            "bytes_evicted": result.bytes_evicted,
-            "load_seconds": result.load_seconds,
-            "plan_seconds": result.plan_seconds,
-        }, []
+        return {"placements": result.placements, "report": result.to_wire()}, []
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:
         async with self._lock:

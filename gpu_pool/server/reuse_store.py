@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.arena.loader import group_copies
 from gpu_pool.errors import ConfigError, LoadError, ManifestError, SessionError
@@ -117,20 +118,12 @@ class PendingAcquire:
 
 
 @dataclass(frozen=True, slots=True)
-class AcquireResult:
-    """Where a manifest's tensors are, and what it cost to get them there."""
+class AcquireResult(AcquireReport):
+    """What an acquire cost (the :class:`AcquireReport` the daemon sends on) and where the
+    manifest's tensors are; ``to_wire`` encodes the report alone, the daemon sends the
+    placements beside it."""
 
     placements: dict[str, int]  # tensor name -> arena offset
-    bytes_loaded: int
-    bytes_reused: int
-    bytes_moved: int
-    bytes_evicted: int
-    load_seconds: float
-    plan_seconds: float
-
-    @property
-    def load_bandwidth(self) -> float:
-        return self.bytes_loaded / self.load_seconds if self.load_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ Every request is a map with ``v`` (protocol version), ``op`` and an ``id`` the r
 echoes. Replies carry ``ok``; failures carry ``error: {type, message, ...details}`` where
 ``type`` is a :class:`gpu_pool.errors.PoolError` code. A reply with ``fds: N`` is followed on
 the stream by one marker byte carrying N descriptors (``SCM_RIGHTS``, :mod:`gpu_pool.wire.fdpass`).
-Requests are validated into typed messages by :mod:`gpu_pool.wire.messages`. Never pickle.
+Requests are validated into typed messages by :mod:`gpu_pool.wire.messages`. An ``acquire``
+reply carries ``placements`` (tensor name -> arena offset) and ``report``, an
+:class:`gpu_pool.acquire_report.AcquireReport` in its own versioned encoding. Never pickle.
 """
 
 from __future__ import annotations

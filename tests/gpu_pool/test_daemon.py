@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import torch
 
+from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.errors import OutOfMemory, SessionError
 from gpu_pool.manifest import Manifest
@@ -83,6 +84,22 @@ def test_two_client_processes_share_the_same_memory(pool_process: PoolProcess, m
         for p in (a, b):
             p.kill()
             p.communicate()
+
+
+def test_acquire_reply_sends_placements_beside_a_versioned_report(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    with PoolClient(pool_process.socket_path) as c:
+        reply = c._call("acquire", manifest_bin=manifest.encoded())
+        assert set(reply) - {"v", "id", "ok"} == {"placements", "report"}
+        assert set(reply["placements"]) == {e.name for e in manifest.tensors}
+        report = AcquireReport.from_wire(reply["report"])
+        assert reply["report"]["v"] == 1 and report.bytes_loaded == manifest.nbytes
+    with PoolClient(pool_process.socket_path) as again:
+        again.acquire(manifest)
+        assert again.last_acquire == AcquireReport(
+            0, manifest.nbytes, 0, 0, 0.0, again.last_acquire.plan_seconds
+        )
 
 
 def test_sigkill_of_a_client_frees_pins_and_kv_within_a_second(

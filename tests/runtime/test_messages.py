@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 
+from gpu_pool.acquire_report import AcquireReport
 from runtime.messages import (
     MAX_MESSAGE_BYTES,
     AssignMessage,
+    AssignReply,
     MessageError,
     PreloadMessage,
     ThreadsMessage,
@@ -64,3 +66,53 @@ def test_malformed_preload_and_threads_bodies_and_oversized_or_deep_json_are_ref
             PreloadMessage.from_json(raw)
     with pytest.raises(MessageError, match="larger than"):
         PreloadMessage.from_json(b" " * (MAX_MESSAGE_BYTES + 1))
+
+
+REPORT = AcquireReport(
+    bytes_loaded=0,
+    bytes_reused=270_000_000,
+    bytes_moved=0,
+    bytes_evicted=0,
+    load_seconds=0.0,
+    plan_seconds=0.001,
+)
+
+
+def reply_body(**changes: Any) -> dict[str, Any]:
+    body = {
+        "instance_id": "7",
+        "timings_ms": {"acquire_ms": 1.5, "assign_ms": 12},
+        "acquire": REPORT.to_wire(),
+    }
+    return {**body, **changes}
+
+
+def test_assign_reply_round_trips_with_the_pools_acquire_report() -> None:
+    reply = AssignReply("7", {"acquire_ms": 1.5}, REPORT)
+    assert AssignReply.from_json(reply.to_json()) == reply
+    assert json.loads(reply.to_json())["acquire"] == REPORT.to_wire()  # versioned, as the pool sent it
+    parsed = AssignReply.from_json(json.dumps(reply_body()))
+    assert parsed.acquire == REPORT and parsed.acquire.bytes_reused == 270_000_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        reply_body(instance_id=""),
+        reply_body(timings_ms=[1.0]),
+        reply_body(timings_ms={"x": "slow"}),
+        reply_body(timings_ms={"x": True}),
+        reply_body(timings_ms={"x": -1.0}),
+        reply_body(timings_ms={"": 1.0}),
+        reply_body(timings_ms={f"s{i}": 1.0 for i in range(65)}),
+        reply_body(acquire={"bytes_loaded": 0}),  # the old unversioned dict
+        reply_body(acquire={**REPORT.to_wire(), "v": 2}),
+        reply_body(acquire={**REPORT.to_wire(), "bytes_loaded": -5}),
+        reply_body(acquire=None),
+        reply_body(extra=1),
+        {k: v for k, v in reply_body().items() if k != "acquire"},
+    ],
+)
+def test_malformed_assign_replies_are_refused(body: Any) -> None:
+    with pytest.raises(MessageError):
+        AssignReply.from_json(json.dumps(body))

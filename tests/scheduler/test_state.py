@@ -114,3 +114,13 @@ def test_expire_drains_only_the_callers_devices(state: ClusterState) -> None:
     assert state.expire("f", min_scale=0, now=5.0, devices=["node-a/cpu"]) == [a]  # b is node-b's to stop
     assert {i.instance_id: i.state for i in state.instances("f")} == {a: "draining", b: "ready"}
     assert state.expire("f", min_scale=0, now=5.0) == [b]  # no device filter: any device
+
+
+def test_forget_from_drops_the_record_whether_or_not_it_is_still_in_that_state(state: ClusterState) -> None:
+    a = state.scale_up("f", 2, "n/cpu")
+    b = state.scale_up("f", 2, "n/cpu")
+    assert a and b
+    state.transition(b, "starting", "ready", url="http://b", deadline=10.0)
+    state.forget_from("f", a, "starting")  # the usual case: a failed start
+    state.forget_from("f", b, "starting")  # lost a race (b is ready): forgotten all the same
+    assert state.instances("f") == [] and not state.r.exists(f"{state.p}instance:{b}")

@@ -1,0 +1,52 @@
+"""The node agent's configuration (:class:`runtime.agent.NodeAgent` and the parts it is made of)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.sandbox import SandboxConfig
+from runtime.supervisor import RestartConfig
+from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES
+from runtime.worker_spawn import BackoffConfig
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    home: Path  # EMBER_HOME: model store, sockets, logs
+    arena_bytes: int = 2 << 30
+    prewarm: int = 2  # pre-warmed workers kept ready
+    node: str = field(default_factory=socket.gethostname)
+    worker_start_timeout_s: float = 120.0
+    drain_timeout_s: float = 30.0
+    pool_prefault: bool = True
+    # A replacement worker warming up beside a new instance slows that instance's first
+    # requests (shared cores and caches, even at SCHED_IDLE): replenish a little later.
+    replenish_delay_s: float = 2.0
+    worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
+    restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read or write EMBER_HOME
+
+    def __post_init__(self) -> None:
+        if self.worker_max_body_bytes < 1024:
+            raise ValueError("worker_max_body_bytes must be at least 1 KiB")
+        if self.arena_bytes < 1 << 20:
+            raise ValueError("arena_bytes must be at least 1 MiB")
+        if self.replenish_delay_s < 0:
+            raise ValueError("replenish_delay_s must be >= 0")
+        if self.prewarm < 0:
+            raise ValueError("prewarm must be >= 0")
+        if not self.node or "/" in self.node:
+            raise ValueError(f"node name {self.node!r} must be non-empty without '/'")
+
+    @property
+    def run_dir(self) -> Path:
+        """Pool sockets."""
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        """Pool logs, workers' logs (``workers/``) and instances' logs (``functions/``)."""
+        return self.home / "logs"

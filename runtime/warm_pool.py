@@ -1,0 +1,279 @@
+"""The node agent's pre-warmed workers (TIDAL's process pool).
+
+:class:`WarmPool` keeps ``prewarm`` worker processes ready: torch and the runtime imported,
+HTTP listening, every pool's arena mapped (``--premap``) and the templates of the node's
+models loaded (``--preload``; models registered later are preloaded over ``/_ember/preload``).
+A launch :meth:`~WarmPool.take` s one and a replacement starts in the background, so no cold
+start pays for a process start or an import. A worker found dead when taken is skipped.
+
+Each worker gets its own credential over stdin and an environment stripped of secrets
+(:mod:`runtime.worker_spawn`), ``TMPDIR`` under ``EMBER_HOME/tmp`` and, unless
+``EMBER_WORKER_SANDBOX=off``, the confinement of :mod:`runtime.sandbox`. Starts that keep
+failing are retried with capped exponential backoff (shown in the device report:
+``worker_failures``, ``backoff_s``, ``last_worker_error``); after two failures in a row a
+launch fails at once with the last error while the next try waits. Workers that mapped a
+pool's arena before that pool died are *stale*: :meth:`~WarmPool.replace_stale` swaps them
+for fresh ones once the pool is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from runtime.agent_config import AgentConfig
+from runtime.errors import LaunchError
+from runtime.messages import PreloadMessage
+from runtime.process import boost
+from runtime.sandbox import temp_dir
+from runtime.worker_handle import WorkerHandle, error_message
+from runtime.worker_spawn import SpawnBackoff, new_token, worker_environment
+
+MAX_SPAWN_ERRORS = 8  # start failures remembered for error messages
+
+
+class WarmPool:
+    """Pre-warmed workers of one agent (see the module docstring)."""
+
+    def __init__(
+        self, config: AgentConfig, http: httpx.AsyncClient, pool_sockets: Callable[[], list[str]]
+    ) -> None:
+        """``pool_sockets``: the sockets of the node's pool daemons now (each worker maps them)."""
+        self.config = config
+        self._http = http
+        self._pool_sockets = pool_sockets
+        self._warm: list[WorkerHandle] = []
+        self._spawning: dict[int, asyncio.subprocess.Process] = {}  # pid -> worker still starting
+        self._pending_spawns = 0  # spawn tasks not finished (including before their fork)
+        self._urgent = asyncio.Event()  # set while a launch waits for a pre-warmed worker
+        self._ready = asyncio.Event()
+        self._templates: set[str] = set()  # model directories every new worker preloads
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stale: set[int] = set()  # pids of pre-warmed workers that mapped a dead arena
+        self.backoff = SpawnBackoff(config.backoff)
+        self.spawn_errors: list[str] = []  # the last few start failures (bounded)
+
+    # ----- templates ------------------------------------------------------------------------------
+
+    def adopt(self, model_dir: str) -> bool:
+        """Have workers started from now on preload ``model_dir``; whether it is new."""
+        if model_dir in self._templates:
+            return False
+        self._templates.add(model_dir)
+        return True
+
+    async def preload_idle(self, model_dir: str) -> None:
+        """Ask the workers ready now to preload ``model_dir`` (best effort: one that cannot is
+        still a worker, it loads the template when assigned)."""
+        for worker in list(self._warm):
+            with contextlib.suppress(httpx.HTTPError):
+                await worker.post(self._http, "preload", PreloadMessage(model_dir).to_json())
+
+    # ----- state ----------------------------------------------------------------------------------
+
+    def ready(self) -> list[WorkerHandle]:
+        """The pre-warmed workers ready now."""
+        return list(self._warm)
+
+    def any_ready(self) -> bool:
+        """Whether one is ready to take a function (always true with prewarm 0)."""
+        return self.config.prewarm == 0 or any(w.running for w in self._warm)
+
+    def report(self) -> dict[str, Any]:
+        """The device report's view of the pool: ready workers and failing starts."""
+        return {"warm_workers": len(self._warm), **self.backoff.report()}
+
+    # ----- starting -------------------------------------------------------------------------------
+
+    def fill(self) -> None:
+        """Start ``prewarm`` workers in the background."""
+        for _ in range(self.config.prewarm):
+            self.spawn_in_background()
+
+    def spawn_in_background(self, delay_s: float = 0.0, backoff_s: float = 0.0) -> None:
+        self._pending_spawns += 1
+        self._background(self._spawn(delay_s, backoff_s))
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _spawn(self, delay_s: float = 0.0, backoff_s: float = 0.0) -> None:
+        """Start one pre-warmed worker after ``backoff_s`` (always waited) and ``delay_s``
+        (cut short when a launch waits); a failed start is retried with backoff while fewer
+        than ``prewarm`` workers are ready or starting."""
+        worker: WorkerHandle | None = None
+        retry_in: float | None = None
+        try:
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
+            if delay_s:  # cut short when a request is already waiting for a worker
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), delay_s)
+            preloaded = set(self._templates)
+            worker = await self._start_worker()
+            for model_dir in sorted(self._templates - preloaded):  # deployed while it started
+                resp = await worker.post(self._http, "preload", PreloadMessage(model_dir).to_json())
+                if resp.status_code != 200:
+                    raise LaunchError(f"the worker could not preload {model_dir}: {error_message(resp)}")
+        except Exception as exc:  # a worker that is not fully ready must not linger
+            if worker is not None:
+                await worker.terminate(self.config.drain_timeout_s)
+            error = f"{type(exc).__name__}: {exc}"
+            self.spawn_errors = [*self.spawn_errors[-(MAX_SPAWN_ERRORS - 1) :], error]
+            retry_in = self.backoff.failed(error)
+            self._ready.set()  # a waiting launch re-checks, and fails fast while backing off
+        finally:
+            self._pending_spawns -= 1
+        if retry_in is not None:
+            if len(self._warm) + self._pending_spawns < self.config.prewarm:
+                self.spawn_in_background(backoff_s=retry_in)
+            return
+        assert worker is not None
+        self.backoff.succeeded()
+        self._warm.append(worker)
+        self._ready.set()
+
+    async def _start_worker(self) -> WorkerHandle:
+        config = self.config
+        log_path = config.log_dir / "workers" / f"worker-{time.time_ns()}.log"
+        args = [sys.executable, "-m", "runtime", "--parent-pid", str(os.getpid())]
+        for model_dir in sorted(self._templates):
+            args += ["--preload", model_dir]
+        for socket_path in self._pool_sockets():
+            args += ["--premap", socket_path]
+        args += ["--max-body-bytes", str(config.worker_max_body_bytes)]
+        env = worker_environment(os.environ)  # function code inherits no secret
+        if config.sandbox.enabled:
+            args += ["--sandbox-home", str(config.home)]
+            if config.sandbox.required:
+                args.append("--require-sandbox")
+            # Temporary files go where the sandboxed worker can read them back (not /tmp).
+            env["TMPDIR"] = str(temp_dir(config.home))
+        token = new_token()
+        with open(log_path, "ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                stdin=asyncio.subprocess.PIPE,
+                env=env,
+            )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
+        assert proc.stdout is not None and proc.stdin is not None
+        self._spawning[proc.pid] = proc
+        try:
+            with contextlib.suppress(OSError):  # a worker that died at once: reported below
+                proc.stdin.write(f"{token}\n".encode())  # not argv/env: /proc shows those
+                await proc.stdin.drain()
+                proc.stdin.close()
+            line = await asyncio.wait_for(proc.stdout.readline(), config.worker_start_timeout_s)
+        except TimeoutError:
+            line = b""
+        finally:
+            del self._spawning[proc.pid]
+        if not line:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
+        ready = json.loads(line)
+        return WorkerHandle(proc, str(ready["url"]), log_path, token)
+
+    # ----- taking ---------------------------------------------------------------------------------
+
+    async def take(self) -> WorkerHandle:
+        """A live pre-warmed worker (waiting for one to start if none is ready); LaunchError
+        when none becomes ready within the start timeout or starts keep failing."""
+        deadline = time.monotonic() + self.config.worker_start_timeout_s
+        while True:
+            while self._warm:
+                worker = self._warm.pop(0)
+                if worker.running:
+                    self._urgent.clear()
+                    return worker
+            self._urgent.set()
+            backoff = self.backoff
+            # Starts keep failing (not a one-off) and none is under way: say so now, not at the deadline.
+            if backoff.failures >= 2 and backoff.remaining_s() > 0 and not self._spawning:
+                raise LaunchError(
+                    f"pre-warmed workers keep failing to start ({backoff.failures} in a row, next try "
+                    f"in {backoff.remaining_s():.1f} s): {backoff.last_error}"
+                )
+            if self._pending_spawns == 0:
+                self.spawn_in_background()
+            for pid in list(self._spawning):  # a request waits: no more idle-priority start-up
+                boost(pid)
+            self._ready.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                errors = "; ".join(self.spawn_errors[-2:])
+                raise LaunchError(f"no pre-warmed worker became ready in time {errors}".strip())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), min(left, 1.0))
+
+    def put_back(self, worker: WorkerHandle) -> None:
+        """Return an unused worker: the next launch takes it first."""
+        self._warm.insert(0, worker)
+
+    # ----- stale workers (a pool daemon died) -----------------------------------------------------
+
+    def mark_stale(self) -> None:
+        """Every pre-warmed worker maps every pool's arena at start (``--premap``): after a pool
+        died they still work (a new arena is mapped at assign) but hold the dead one's memory.
+        Replaced after the restart; until then a launch may still take one. One still starting
+        may or may not have mapped it: treated as stale too."""
+        self._stale.update(w.pid for w in self._warm)
+        self._stale.update(self._spawning)
+
+    def replace_stale_in_background(self) -> None:
+        self._background(self.replace_stale())
+
+    async def replace_stale(self) -> None:
+        """Replace stale pre-warmed workers one at a time: start a fresh one when no start is
+        under way, terminate a stale one once the pool holds more than ``prewarm`` (so a launch
+        always finds a worker, and replacements never compete with each other for cores). Also
+        tops the pool up to ``prewarm``: workers that started while the pool was down failed."""
+        prewarm = self.config.prewarm
+        deadline = time.monotonic() + self.config.worker_start_timeout_s
+        while time.monotonic() < deadline:
+            stale = [w for w in self._warm if w.pid in self._stale]
+            short = len(self._warm) + self._pending_spawns < prewarm
+            if not stale and not self._stale & set(self._spawning) and not short:
+                break
+            if stale and len(self._warm) > prewarm:
+                self._warm.remove(stale[0])
+                await stale[0].terminate(self.config.drain_timeout_s)
+                deadline = time.monotonic() + self.config.worker_start_timeout_s
+                continue
+            if (stale and self._pending_spawns == 0) or short:  # short: starts failed while it was down
+                self.spawn_in_background()
+            await asyncio.sleep(0.2)
+        self._stale &= {w.pid for w in self._warm} | set(self._spawning)
+
+    # ----- shutdown -------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop the background starts (ending the processes they started) and every worker."""
+        starting = list(self._spawning.values())
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for proc in starting:  # a cancelled start leaves its process: end it
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        workers, self._warm = self._warm, []
+        await asyncio.gather(
+            *(w.terminate(self.config.drain_timeout_s) for w in workers), return_exceptions=True
+        )

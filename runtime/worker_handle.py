@@ -1,0 +1,79 @@
+"""One worker process as the node agent sees it: its URL, its credential, how to stop it.
+
+The agent speaks to a worker only over ``/_ember/*`` (bodies are :mod:`runtime.messages`
+JSON, each request carries the worker's own credential, :mod:`runtime.worker_guard`) and ends
+it with SIGTERM, which makes the worker drain and release its pool session; SIGKILL follows
+when the drain takes longer than the agent allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from runtime.worker_guard import TOKEN_HEADER
+
+JSON_HEADERS = {"content-type": "application/json"}  # the agent's messages are runtime.messages JSON
+
+
+@dataclass
+class WorkerHandle:
+    """A worker process the agent started: pre-warmed (``device`` empty) or an instance."""
+
+    proc: asyncio.subprocess.Process
+    url: str
+    log_path: Path
+    token: str
+    device: str = ""  # the pool device its instance runs on ("" while pre-warmed)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the process has not exited (as far as the event loop has seen)."""
+        return self.proc.returncode is None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every ``/_ember/*`` request to the worker carries."""
+        return {TOKEN_HEADER: self.token, **JSON_HEADERS}
+
+    async def post(
+        self, http: httpx.AsyncClient, route: str, body: str, timeout: float | None = None
+    ) -> httpx.Response:
+        """POST a :mod:`runtime.messages` JSON ``body`` to ``/_ember/{route}``."""
+        url = f"{self.url}/_ember/{route}"
+        if timeout is None:  # the client's own timeout
+            return await http.post(url, content=body, headers=self.headers)
+        return await http.post(url, content=body, headers=self.headers, timeout=timeout)
+
+    async def terminate(self, drain_timeout_s: float) -> None:
+        """SIGTERM (the worker drains), SIGKILL after ``drain_timeout_s``; returns once reaped."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), drain_timeout_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, no drain (its pool session is already gone); reap with ``proc.wait()``."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The message of a worker's JSON error reply (or the status and the body's start)."""
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"

@@ -1,0 +1,142 @@
+"""The cold-start path: place a new instance, launch it, record it ready or forget it.
+
+:meth:`ColdStarter.place` picks a device with Tangram Alg. 2 / Eq. 3 over the devices' live
+residency (a device that has not reported yet counts as empty, of unknown size).
+:meth:`ColdStarter.start` launches an instance whose record the router created (state
+``starting``) and marks it ``ready`` with what the launch measured. A failed launch forgets
+the record and is remembered per function (:meth:`~ColdStarter.failure`): the requests waiting
+for it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. An
+instance deleted while it started is stopped; one that cannot be recorded ready (Redis away
+too long) is stopped too, so no worker runs that nobody can route to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from scheduler.errors import SchedulerError, StartFailed, StateConflict
+from scheduler.launcher import BaseLauncher, StartedInstance
+from scheduler.policies import DeviceState, ModelDemand, place
+from scheduler.records import FunctionRecord
+from scheduler.state import ClusterState
+
+log = logging.getLogger("ember.scheduler")
+
+DEFAULT_DISK_BANDWIDTH = 2e9  # bytes/s assumed for a device whose pool measured no load yet
+
+
+class ColdStarter:
+    """Starts this gateway's new instances (see the module docstring)."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        launcher: BaseLauncher,
+        start_backoff_s: float,
+        notify: Callable[[str], None],
+        on_start: Callable[[str, StartedInstance], None] | None = None,
+    ) -> None:
+        """``notify(name)`` wakes the requests waiting for an instance of ``name``; ``on_start``
+        sees every instance that became ready (metrics)."""
+        self.state = state
+        self.launcher = launcher
+        self.start_backoff_s = start_backoff_s
+        self._notify = notify
+        self.on_start = on_start
+        self._failures: dict[str, tuple[float, str]] = {}  # name -> (epoch s, why) of its last failed start
+        self._launching: set[str] = set()  # instance ids whose start this gateway is running
+
+    def failure(self, name: str) -> tuple[float, str] | None:
+        """When (epoch seconds) and why the last start of ``name`` failed (None once one succeeds)."""
+        return self._failures.get(name)
+
+    def backing_off(self, name: str) -> bool:
+        """Whether ``name``'s last start failed less than ``start_backoff_s`` ago."""
+        failed = self._failures.get(name)
+        return failed is not None and time.time() - failed[0] < self.start_backoff_s
+
+    def launching(self, instance_id: str) -> bool:
+        """Whether this gateway is starting ``instance_id`` now."""
+        return instance_id in self._launching
+
+    async def place(self, record: FunctionRecord) -> tuple[str | None, float]:
+        """The device to start an instance of ``record`` on (None: none can hold its model now)
+        and the start time Eq. 3 expects there."""
+        model = record.model
+        if model is None:
+            raise StartFailed("the function's model is not registered yet; deploy it again")
+        reports = await asyncio.to_thread(self.state.device_reports)
+        devices = []
+        for device_id in self.launcher.devices():
+            r = reports.get(device_id)
+            if r is None:  # not reported yet: assume an empty device of unknown size
+                devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
+                continue
+            devices.append(
+                DeviceState(
+                    device_id,
+                    free_bytes=r.free_bytes,
+                    evictable_bytes=r.evictable_bytes,
+                    resident_bytes=dict(r.resident_bytes),
+                    disk_bandwidth=r.load_bandwidth if r.load_bandwidth > 0 else DEFAULT_DISK_BANDWIDTH,
+                )
+            )
+        placement = place([ModelDemand(model.model_id, model.weight_bytes)], devices)[0]
+        return placement.device_id, placement.expected_start_s
+
+    async def start(
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
+    ) -> None:
+        """Launch ``instance_id`` of ``name`` on ``device`` and record the outcome (never raises
+        for a failed start: it is remembered and the waiting requests are told)."""
+        self._launching.add(instance_id)
+        try:
+            await self._launch(instance_id, name, record, device, deadline)
+        finally:
+            self._launching.discard(instance_id)
+
+    async def _launch(
+        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
+    ) -> None:
+        keep_alive = record.scaling.keep_alive_s
+        t0 = time.perf_counter()
+        try:
+            if record.model is None:  # place() checked it before the instance was created
+                raise StartFailed("the function's model is not registered yet; deploy it again")
+            # The launcher (runtime/) takes plain documents: it does not import the scheduler.
+            started = await self.launcher.launch(
+                instance_id, record.spec, record.model.encode(), device, deadline
+            )
+        except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
+            log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
+            self._failures[name] = (time.time(), str(exc))
+            await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
+            self._notify(name)
+            return
+        start_ms = (time.perf_counter() - t0) * 1e3
+        try:
+            await asyncio.to_thread(
+                self.state.transition, instance_id, "starting", "ready",
+                url=started.url, token=started.token, deadline=time.time() + keep_alive, pid=started.pid,
+                bytes_loaded=started.bytes_loaded, bytes_reused=started.bytes_reused,
+                start_ms=round(start_ms, 3), log=started.log_path,
+            )  # fmt: skip
+        except StateConflict:  # deleted while starting
+            await self.launcher.stop(instance_id)
+            return
+        except Exception as exc:  # Redis away too long: do not leave a worker nobody can route to
+            log.warning("instance %s of %s could not be marked ready: %s", instance_id, name, exc)
+            await self.launcher.stop(instance_id)
+            self._failures[name] = (time.time(), f"could not record the instance as ready: {exc}")
+            with contextlib.suppress(SchedulerError):
+                await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
+            self._notify(name)
+            return
+        self._failures.pop(name, None)
+        if self.on_start is not None:
+            self.on_start(name, started)
+        self._notify(name)
