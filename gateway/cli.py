@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         help="read the worker's credential from stdin (default: generate one, printed when ready)",
     )
     worker.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    verbs.add_parser("node", help="run this node's pool daemons and report their residency (cluster mode)")
     extender = verbs.add_parser(
         "extender", help="serve the kube-scheduler extender (residency-aware placement)"
     )
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {
         "serve": _serve, "pool": _pool, "generate": _generate, "worker": _worker, "deploy": _deploy,
         "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
-        "status": _status, "tenant": _tenant, "extender": _extender,
+        "status": _status, "tenant": _tenant, "extender": _extender, "node": _node,
     }[args.verb]  # fmt: skip
 
     from gateway.client import GatewayError
@@ -180,6 +181,20 @@ def _pool(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail("pool", exc, 2)
     return run(config)
+
+
+def _node(args: argparse.Namespace) -> int:
+    import os
+
+    import uvloop
+
+    from gateway.compose import run_node
+
+    try:
+        uvloop.run(run_node(dict(os.environ)))
+    except ValueError as exc:
+        return _fail("node", exc, 2)
+    return 0
 
 
 def _extender(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ the ``ember worker`` verb gets its standalone assignment from :func:`standalone_
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -347,3 +349,38 @@ def _openwhisk_assignment(
     deadline = time.time() + INIT_TIMEOUT_S
     instance_id = value.name or "openwhisk"
     return AssignMessage(instance_id, document, str(model.directory), pool_socket, None, deadline)
+
+
+# ----- cluster mode: the node daemon (the pool DaemonSet) --------------------------------------
+
+
+async def run_node(env: Mapping[str, str], stop: asyncio.Event | None = None) -> None:
+    """``ember node``: the node's supervised pool daemons, reporting residency to the cluster's
+    Redis (``EMBER_REDIS_URL``, ``EMBER_REDIS_PASSWORD`` joined in) until SIGTERM/SIGINT or
+    ``stop``. ValueError for a bad or missing setting."""
+    import signal
+
+    from gateway.redis_auth import PASSWORD_ENV, with_password
+    from runtime.node_daemon import NodeConfig, NodeDaemon
+    from scheduler.state import ClusterState
+
+    config = NodeConfig.from_env(env)
+    url = with_password(env.get("EMBER_REDIS_URL") or None, env.get(PASSWORD_ENV) or None)
+    if url is None:
+        raise ValueError("EMBER_REDIS_URL is required: the node reports its pools' residency there")
+    os.umask(0o077)  # the pool's log; its socket's mode is the pool's own choice
+    state = ClusterState.from_url(url)
+    daemon = NodeDaemon(config, state.report_device)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await daemon.start()
+        print(
+            json.dumps({"event": "ready", "node": config.node, "pool_dir": str(config.pool_dir)}), flush=True
+        )
+        await daemon.run(stop)
+    finally:
+        await daemon.close()
+        state.close()

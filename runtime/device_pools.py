@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from runtime.agent_config import AgentConfig
@@ -23,11 +24,33 @@ from runtime.process import die_with_parent
 from runtime.supervisor import SpawnThread, supervise
 
 
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Where a node's pool daemons listen and what a session without a ticket may hold.
+
+    Embedded mode: ``EMBER_HOME/run/pool-cpu.sock``, KV only by the agent's tickets (0).
+    Cluster mode (:mod:`runtime.node_daemon`): ``$EMBER_POOL_DIR/cpu.sock``, and function
+    pods, which attach without a ticket, get a fixed per-session KV quota.
+    """
+
+    socket_dir: Path
+    socket_prefix: str = "pool-"
+    session_kv_quota: int | None = 0  # bytes; None: unlimited
+
+    def __post_init__(self) -> None:
+        if self.session_kv_quota is not None and self.session_kv_quota < 0:
+            raise ValueError("session_kv_quota must be >= 0")
+
+    def socket_path(self, device: str) -> Path:
+        return self.socket_dir / f"{self.socket_prefix}{device}.sock"
+
+
 class DevicePools:
     """The pool daemons of one node by device (``cpu``, later ``cuda:N``)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, layout: PoolLayout | None = None) -> None:
         self.config = config
+        self.layout = layout or PoolLayout(config.run_dir)
         self.pools: dict[str, Any] = {}  # device -> gpu_pool.spawn.PoolProcess
         self._up: dict[str, asyncio.Event] = {}  # device -> set while its pool daemon serves
         self._tasks: set[asyncio.Task[None]] = set()
@@ -46,7 +69,7 @@ class DevicePools:
         env = {"EMBER_POOL_PREFAULT": "true" if self.config.pool_prefault else "false"}
         # Same socket path on a restart: workers and tools find the pool where it was.
         return PoolProcess(
-            str(self.config.run_dir / f"pool-{device}.sock"),
+            str(self.layout.socket_path(device)),
             self.config.arena_bytes,
             device,
             (),
@@ -54,9 +77,9 @@ class DevicePools:
             die_with_parent(),
             log_path=str(self.config.log_dir / f"pool-{device}.log"),
             store_roots=(models_dir(self.config.home),),
-            # KV only by ticket: an instance's session gets its quota (launch), any other
-            # session (a handler's own, a pre-warmed worker's premap) none.
-            session_kv_quota=0,
+            # Embedded: KV only by ticket (an instance's session gets its quota at launch; any
+            # other session, a handler's own or a pre-warmed worker's premap, none).
+            session_kv_quota=self.layout.session_kv_quota,
         )
 
     def sockets(self) -> list[str]:

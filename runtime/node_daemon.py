@@ -1,0 +1,146 @@
+"""``ember node``: a cluster node's pool daemons and their residency reports (the pool DaemonSet).
+
+In cluster mode Kubernetes and Knative start function pods; what stays on the node is the
+memory pool. This process runs the node's CPU pool daemon on ``$EMBER_POOL_DIR/cpu.sock``
+(supervised: restarted with backoff on the same socket when it dies, :mod:`runtime.device_pools`)
+and publishes its stats every ``report_interval_s`` as the device record ``<node>/cpu`` through
+``report`` (the composition root wires the cluster state's ``report_device``). The scheduler
+extender filters a node whose record is missing or stale, so a dead pool stops attracting pods
+by itself. Function pods attach without a ticket: each such session may hold
+``session_kv_quota`` bytes of KV. The pool trusts the model store under ``EMBER_HOME/models``,
+which in a cluster is the volume the gateway registers models into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.agent_config import AgentConfig
+from runtime.device_pools import DevicePools, PoolLayout
+from runtime.device_report import device_record, read_stats
+from runtime.supervisor import RestartConfig
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[str, dict[str, Any]], None]  # device id, record
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Settings of ``ember node`` (:meth:`from_env`)."""
+
+    home: Path  # EMBER_HOME: the model store (models/) and the pool's log (logs/)
+    pool_dir: Path  # EMBER_POOL_DIR: the sockets function pods connect to
+    node: str  # EMBER_NODE_NAME: the Kubernetes node (downward API)
+    arena_bytes: int = 2 << 30  # EMBER_POOL_ARENA
+    session_kv_quota: int = 256 << 20  # EMBER_POOL_SESSION_KV_QUOTA: KV bytes per function pod
+    report_interval_s: float = 2.0  # EMBER_REPORT_INTERVAL
+    restart: RestartConfig = field(default_factory=RestartConfig)
+
+    def __post_init__(self) -> None:
+        if not self.node or "/" in self.node or len(self.node) > 253:
+            raise ValueError(f"node name {self.node!r} must be a Kubernetes node name")
+        if self.arena_bytes < 1 << 20:
+            raise ValueError("EMBER_POOL_ARENA must be at least 1 MiB")
+        if self.session_kv_quota < 0:
+            raise ValueError("EMBER_POOL_SESSION_KV_QUOTA must be >= 0")
+        if not 0.1 <= self.report_interval_s <= 60:
+            raise ValueError("EMBER_REPORT_INTERVAL must be within 0.1..60 s")
+        if len(str(self.pool_dir / "cpu.sock")) >= 108:
+            raise ValueError(f"EMBER_POOL_DIR {self.pool_dir} is too long for a Unix socket path")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> NodeConfig:
+        """From ``EMBER_*`` variables; ValueError naming the variable on a bad value."""
+        from gpu_pool.config import parse_size
+
+        env = os.environ if env is None else env
+        home = Path(env.get("EMBER_HOME") or Path.home() / ".ember").expanduser()
+        values: dict[str, Any] = {
+            "home": home,
+            "pool_dir": Path(env.get("EMBER_POOL_DIR") or "/var/run/ember"),
+            "node": env.get("EMBER_NODE_NAME") or socket.gethostname(),
+            "restart": RestartConfig.from_env(),
+        }
+        if env.get("EMBER_POOL_ARENA"):
+            values["arena_bytes"] = parse_size(env["EMBER_POOL_ARENA"], "EMBER_POOL_ARENA")
+        if env.get("EMBER_POOL_SESSION_KV_QUOTA"):
+            values["session_kv_quota"] = parse_size(
+                env["EMBER_POOL_SESSION_KV_QUOTA"], "EMBER_POOL_SESSION_KV_QUOTA"
+            )
+        if env.get("EMBER_REPORT_INTERVAL"):
+            try:
+                values["report_interval_s"] = float(env["EMBER_REPORT_INTERVAL"])
+            except ValueError:
+                raise ValueError(
+                    f"EMBER_REPORT_INTERVAL={env['EMBER_REPORT_INTERVAL']!r} is not a number"
+                ) from None
+        return cls(**values)
+
+
+class NodeDaemon:
+    """The node's supervised pool daemons and the loop that reports them."""
+
+    def __init__(self, config: NodeConfig, report: Report) -> None:
+        self.config = config
+        self._report = report
+        agent_config = AgentConfig(
+            home=config.home, arena_bytes=config.arena_bytes, prewarm=0, node=config.node,
+            restart=config.restart,
+        )  # fmt: skip
+        layout = PoolLayout(config.pool_dir, socket_prefix="", session_kv_quota=config.session_kv_quota)
+        self.pools = DevicePools(agent_config, layout)
+
+    def device_id(self, device: str) -> str:
+        return f"{self.config.node}/{device}"
+
+    async def start(self) -> None:
+        """Start the CPU pool (returns once it serves) and supervise it."""
+        from runtime.registry import models_dir
+
+        self.config.pool_dir.mkdir(parents=True, exist_ok=True)
+        models_dir(self.config.home).mkdir(parents=True, exist_ok=True)
+        (self.config.home / "logs").mkdir(parents=True, exist_ok=True)
+        self.pools.start("cpu")
+        self.pools.supervise(self._on_death, lambda device: None)
+
+    async def _on_death(self, device: str) -> None:
+        log.warning("pool daemon for %s died; restarting it", device)
+
+    async def report_once(self) -> dict[str, dict[str, Any]]:
+        """Publish every live pool's record; the records published, by device id."""
+        out: dict[str, dict[str, Any]] = {}
+        for device, pool in list(self.pools.pools.items()):
+            if not self.pools.alive(device):
+                continue  # being restarted: its record goes stale and the extender filters it
+            try:
+                stats = await asyncio.to_thread(read_stats, pool.socket_path)
+            except OSError as exc:  # died between the check and the read
+                log.warning("pool %s stats: %s", device, exc)
+                continue
+            record = device_record(self.config.node, device, stats, {})
+            await asyncio.to_thread(self._report, self.device_id(device), record)
+            out[self.device_id(device)] = record
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Report every ``report_interval_s`` until ``stop`` is set. A failing report (Redis
+        away) is logged and retried at the next tick: the pool keeps serving pods meanwhile."""
+        while not stop.is_set():
+            try:
+                await self.report_once()
+            except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
+                log.warning("residency report failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
+
+    async def close(self) -> None:
+        await self.pools.close()
