@@ -173,6 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from runtime.http_server import HeaderLimits
     from runtime.messages import AssignMessage
     from runtime.registry import load
     from runtime.worker import serve
@@ -183,6 +184,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
         guard = GuardConfig(token, args.max_body_bytes)
+        headers = HeaderLimits.from_env()
     except ValueError as exc:
         return _fail("worker", exc, 2)
 
@@ -193,7 +195,15 @@ def _worker(args: argparse.Namespace) -> int:
     ).to_document()  # fmt: skip
     # No pool ticket (a session without KV quota); the default handler has no initializer to time.
     assignment = AssignMessage("0", spec, args.model_dir, args.pool_socket, None, time.time() + 300)
-    serve(args.host, args.port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
+    serve(
+        args.host,
+        args.port,
+        [args.model_dir],
+        assignment,
+        guard=guard,
+        show_token=not args.token_stdin,
+        headers=headers,
+    )
     return 0
 
 

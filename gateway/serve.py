@@ -31,11 +31,11 @@ import uvicorn
 from gateway.app import GatewayConfig, ModelSourceError, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
 from gateway.health import Readiness
-from gateway.http_server import server_config
-from gateway.limits import EdgeLimits
+from gateway.limits import DeployLimits, EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
 from gateway.redis_auth import PASSWORD_ENV, with_password
+from runtime.http_server import server_config
 
 
 class ServeError(RuntimeError):
@@ -81,8 +81,8 @@ class ServeConfig:
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
         ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides;
-        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS`` and
-        ``EMBER_HANDLER_ROOTS`` checked."""
+        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS``,
+        ``EMBER_HANDLER_ROOTS``, the request limits and the function quota checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
         from runtime.sandbox import SandboxConfig
@@ -105,6 +105,8 @@ class ServeConfig:
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
         SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         SandboxConfig.from_env()  # ... or EMBER_WORKER_SANDBOX / EMBER_REQUIRE_SANDBOX
+        EdgeLimits.from_env()  # ... or request limits (workers read the header ones too)
+        DeployLimits.from_env()  # ... or EMBER_MAX_FUNCTIONS_PER_NAMESPACE
         return cls(**values)
 
 
@@ -128,6 +130,7 @@ async def serve(config: ServeConfig) -> None:
         logs_dir=config.home / "logs",
         code=FunctionCodeConfig.from_env(config.home),
         limits=EdgeLimits.from_env(),
+        deploy=DeployLimits.from_env(),
     )
     config.home.mkdir(parents=True, exist_ok=True)
     # One `ember serve` per EMBER_HOME: a second would forget the first one's instances and
@@ -200,7 +203,11 @@ async def serve(config: ServeConfig) -> None:
         url = f"http://{host}:{sock.getsockname()[1]}"
         server = _Server(
             server_config(
-                app, gateway_config.limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+                app,
+                gateway_config.limits.headers,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=10,
             )
         )
         loop = asyncio.get_running_loop()
