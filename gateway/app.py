@@ -37,7 +37,7 @@ from gateway.errors import ERROR_STATUS, HANDLED, ModelSourceError, Unauthorized
 from gateway.fastpath import InvocationFastPath
 from gateway.function_code import FunctionCodeConfig
 from gateway.health import Readiness
-from gateway.limits import BodyLimits, EdgeLimits
+from gateway.limits import BodyLimits, DeployLimits, EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker
 from gateway.routes.cluster import cluster_routes, health_routes
@@ -71,6 +71,7 @@ class GatewayConfig:
     logs_dir: Path | None = None  # where instances' logs are (EMBER_HOME/logs)
     code: FunctionCodeConfig | None = None  # where uploaded handler modules go (None: no custom handlers)
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # request body size and time caps
+    deploy: DeployLimits = field(default_factory=DeployLimits)  # functions per namespace
 
     def __post_init__(self) -> None:
         if self.api_key is not None and len(self.api_key) < 16:

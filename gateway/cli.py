@@ -238,6 +238,7 @@ def _worker(args: argparse.Namespace) -> int:
         return _fail("worker", ValueError("give --function, --openwhisk, or --name, --model-dir and "
                                           "--pool-socket"), 2)  # fmt: skip
     from gateway.compose import standalone_assignment
+    from runtime.http_server import HeaderLimits
     from runtime.worker import serve
     from runtime.worker_guard import GuardConfig
     from runtime.worker_spawn import new_token
@@ -245,11 +246,20 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
         guard = GuardConfig(token, args.max_body_bytes)
+        headers = HeaderLimits.from_env()
     except ValueError as exc:
         return _fail("worker", exc, 2)
     assignment = standalone_assignment(args.name, Path(args.model_dir), args.pool_socket)
     host, port = args.host or "127.0.0.1", args.port or 0
-    serve(host, port, [args.model_dir], assignment, guard=guard, show_token=not args.token_stdin)
+    serve(
+        host,
+        port,
+        [args.model_dir],
+        assignment,
+        guard=guard,
+        show_token=not args.token_stdin,
+        headers=headers,
+    )
     return 0
 
 

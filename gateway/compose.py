@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.app import GatewayConfig, ModelSourceError, Registrar, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
 from gateway.health import Readiness
-from gateway.limits import EdgeLimits
+from gateway.limits import DeployLimits, EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
 
@@ -95,6 +95,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
         logs_dir=config.home / "logs",
         code=FunctionCodeConfig.from_env(config.home),
         limits=EdgeLimits.from_env(),
+        deploy=DeployLimits.from_env(),
     )
     restart = RestartConfig.from_env()
     spawner = SpawnThread("ember-redis-spawn")

@@ -18,6 +18,7 @@ from gateway.proxy import BadRequest, InvocationError
 from gateway.tenants import Forbidden
 from scheduler.errors import (
     FunctionNotFound,
+    FunctionQuotaExceeded,
     Rejected,
     SchedulerError,
     StartFailed,
@@ -54,6 +55,9 @@ ERROR_STATUS: dict[type[Exception], int] = {
     Unauthorized: 401,
     Forbidden: 403,
     FunctionNotFound: 404,
+    # A namespace's function cap: 409, not 429 (no rate: retrying cannot succeed until a
+    # function is deleted, and clients retry 429s) nor 507 (a policy, not the server's storage).
+    FunctionQuotaExceeded: 409,
     StateConflict: 409,
     InvocationError: 502,
     Rejected: 503,

@@ -46,9 +46,9 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Scope
 
 from gateway.errors import render_error
-from gateway.http_server import server_config
 from gateway.limits import BodyLimits, EdgeLimits, load_json
 from gateway.redis_auth import PASSWORD_ENV, with_password
+from runtime.http_server import server_config
 from scheduler.extender.residency import ResidencyCache
 from scheduler.extender.service import Extender, ExtenderConfig
 from scheduler.state import ClusterState
@@ -179,7 +179,7 @@ async def serve_extender(config: ExtenderServeConfig, ready: Callable[[str], Non
         sock.bind((config.host, config.port))
         host = f"[{config.host}]" if ":" in config.host else config.host
         url = f"http://{host}:{sock.getsockname()[1]}{config.prefix}"
-        server = _Server(server_config(app, config.limits, log_level="warning", lifespan="off"))
+        server = _Server(server_config(app, config.limits.headers, log_level="warning", lifespan="off"))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

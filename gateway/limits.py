@@ -5,8 +5,10 @@ Every request body passes :class:`BodyLimits` (outermost ASGI middleware): a dec
 body is counted as it arrives and stopped at the cap (:class:`BodyTooLarge`, 413); a body
 that does not arrive within ``body_timeout_s`` is :class:`BodyTimeout` (408). Both carry
 ``Connection: close``: the rest of the body is never read, so the connection cannot serve
-another request. The header read timeout and size cap live in :mod:`gateway.http_server`.
+another request. The header read timeout and size cap (:class:`runtime.http_server.HeaderLimits`,
+shared with the workers' servers) are enforced by :mod:`runtime.http_server`.
 :func:`load_json` parses JSON with a depth bound (:class:`JSONError`, 400).
+:class:`DeployLimits` bounds how many functions a namespace may hold.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import asyncio
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.http_server import HeaderLimits
 
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects; OpenAI requests and events need < 10
 
@@ -48,36 +52,30 @@ class JSONError(EdgeError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
-    """Caps on request bodies and read times (bytes, seconds)."""
+    """Caps on request bodies and read times (bytes, seconds), and on request headers."""
 
     max_body_bytes: int = 4 << 20  # any request (invocations: prompts, events)
     # POST /v1/functions: a spec plus its handler module (<= 256 KiB, up to 2x when JSON-escaped)
     max_spec_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # from the first receive to the body's last byte
-    header_timeout_s: float = 10.0  # from a request's first byte to its last header
-    # Request line and headers (httptools buffers them whole, with no bound of its own).
-    max_header_bytes: int = 64 << 10
+    headers: HeaderLimits = field(default_factory=HeaderLimits)  # read time and size of headers
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.max_spec_bytes < 1:
             raise ValueError("max_body_bytes and max_spec_bytes must be >= 1")
-        if not 1024 <= self.max_header_bytes <= 16 << 20:
-            raise ValueError("max_header_bytes must be in [1024, 16 MiB]")
-        if not (0 < self.body_timeout_s <= 3600 and 0 < self.header_timeout_s <= 3600):
-            raise ValueError("body_timeout_s and header_timeout_s must be in (0, 3600] seconds")
+        if not 0 < self.body_timeout_s <= 3600:  # also refuses NaN
+            raise ValueError("body_timeout_s must be in (0, 3600] seconds")
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
-        """``EMBER_MAX_BODY_BYTES``, ``EMBER_MAX_SPEC_BYTES``, ``EMBER_MAX_HEADER_BYTES``
-        (integers), ``EMBER_BODY_TIMEOUT``, ``EMBER_HEADER_TIMEOUT`` (seconds); unset ones keep
+        """``EMBER_MAX_BODY_BYTES``, ``EMBER_MAX_SPEC_BYTES`` (integers), ``EMBER_BODY_TIMEOUT``
+        (seconds), and the header limits (:meth:`HeaderLimits.from_env`); unset ones keep
         their defaults, bad ones raise."""
         values: dict[str, Any] = {}
         for env, key, kind in (
             ("EMBER_MAX_BODY_BYTES", "max_body_bytes", int),
             ("EMBER_MAX_SPEC_BYTES", "max_spec_bytes", int),
             ("EMBER_BODY_TIMEOUT", "body_timeout_s", float),
-            ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
-            ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
         ):
             raw = os.environ.get(env)
             if raw is None:
@@ -87,9 +85,36 @@ class EdgeLimits:
             except ValueError:
                 raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
         try:
-            return cls(**values)
+            return cls(headers=HeaderLimits.from_env(), **values)
         except ValueError as exc:
             raise ValueError(f"EMBER_* request limits: {exc}") from None
+
+
+DEFAULT_MAX_FUNCTIONS = 1000  # per namespace
+
+
+@dataclass(frozen=True, slots=True)
+class DeployLimits:
+    """How many functions one namespace may hold (a tenant's quota; redeploys do not count)."""
+
+    max_functions_per_namespace: int = DEFAULT_MAX_FUNCTIONS
+
+    def __post_init__(self) -> None:
+        # The cap is checked by a Lua script that scans the function hash: keep it a number
+        # a deployment could mean, not a way to disable the check.
+        if not 1 <= self.max_functions_per_namespace <= 1_000_000:
+            raise ValueError("max_functions_per_namespace must be in [1, 1000000]")
+
+    @classmethod
+    def from_env(cls) -> DeployLimits:
+        """``EMBER_MAX_FUNCTIONS_PER_NAMESPACE`` (an integer; unset: the default, bad: raise)."""
+        raw = os.environ.get("EMBER_MAX_FUNCTIONS_PER_NAMESPACE")
+        if raw is None:
+            return cls()
+        try:
+            return cls(int(raw))
+        except ValueError as exc:
+            raise ValueError(f"EMBER_MAX_FUNCTIONS_PER_NAMESPACE={raw!r}: {exc}") from None
 
 
 # Renders an error as the gateway's JSON error response (gateway.app's one table).

@@ -29,9 +29,9 @@ from typing import Any
 import uvicorn
 
 from gateway.function_code import FunctionCodeConfig
-from gateway.http_server import server_config
-from gateway.limits import EdgeLimits
+from gateway.limits import DeployLimits, EdgeLimits
 from gateway.redis_auth import PASSWORD_ENV, with_password
+from runtime.http_server import server_config
 
 
 class ServeError(RuntimeError):
@@ -77,8 +77,8 @@ class ServeConfig:
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
         ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides;
-        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS`` and
-        ``EMBER_HANDLER_ROOTS`` checked."""
+        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS``,
+        ``EMBER_HANDLER_ROOTS``, the request limits and the function quota checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
         from runtime.sandbox import SandboxConfig
@@ -101,6 +101,8 @@ class ServeConfig:
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
         SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         SandboxConfig.from_env()  # ... or EMBER_WORKER_SANDBOX / EMBER_REQUIRE_SANDBOX
+        EdgeLimits.from_env()  # ... or request limits (workers read the header ones too)
+        DeployLimits.from_env()  # ... or EMBER_MAX_FUNCTIONS_PER_NAMESPACE
         return cls(**values)
 
 
@@ -144,7 +146,7 @@ async def _listen(config: ServeConfig, app: Any, limits: EdgeLimits, api_key: st
     host = f"[{config.host}]" if ":" in config.host else config.host
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _Server(
-        server_config(app, limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+        server_config(app, limits.headers, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop the server, then clean up in serve()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runtime.http_server import HeaderLimits
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, GuardConfig
 
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
     except ValueError as exc:
         parser.error(f"stdin must carry the worker's credential: {exc}")
+    try:
+        headers = HeaderLimits.from_env()  # the gateway's header bounds (the agent's environment)
+    except ValueError as exc:
+        parser.error(str(exc))
     from runtime.process import exit_with_parent, set_idle_priority
 
     if args.parent_pid is not None:
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime.models.llama  # noqa: F401  (imported now so an assignment does not pay for it)
     from runtime.worker import serve
 
-    serve(args.host, args.port, args.preload, premap=args.premap, guard=guard)
+    serve(args.host, args.port, args.preload, premap=args.premap, guard=guard, headers=headers)
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import uvicorn
 
+from runtime.http_server import HeaderLimits, server_config
 from runtime.worker import KEEP_ALIVE_S
 
 log = logging.getLogger("ember.worker")
@@ -76,15 +77,18 @@ async def serve_draining(
     lifecycle: Lifecycle,
     start: Callable[[], Coroutine[Any, Any, None]] | None = None,
     on_drain: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    headers: HeaderLimits | None = None,
 ) -> int:
     """Serve ``app`` on ``sock`` while ``start`` runs and afterwards, until SIGTERM or SIGINT.
 
     ``lifecycle.ready`` turns true once ``start`` returned; ``on_drain`` runs when the signal
     arrives (concurrently with the drain). Returns 0 after a drain, 1 when ``start`` failed
-    (logged; the server then stops at once).
+    (logged; the server then stops at once). ``headers``: the request-head bounds (default:
+    ``EMBER_HEADER_TIMEOUT`` / ``EMBER_MAX_HEADER_BYTES``), as every Ember HTTP server has.
     """
-    config = uvicorn.Config(
+    config = server_config(
         app,
+        headers or HeaderLimits.from_env(),
         log_level="warning",
         lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_S,

@@ -3,17 +3,22 @@
 Kept apart from the worker's lifecycle so the SDK (``context.model``) and the HTTP routes
 share one definition of what a valid request is and how a completion is reported.
 
-OpenAI fields Ember does not implement (``n`` other than 1, ``logprobs``, ``tools``, ...) are
-answered 400 naming the field rather than silently ignored; ``max_completion_tokens`` is
-``max_tokens`` under its newer name (it wins when both are given). A request's ``max_tokens``
-is clamped to the function's ``maxTokens``.
+No request field is silently ignored. A field is accepted only when Ember honours it or when
+ignoring it cannot change the response (identifiers, prompt-cache hints; see
+:class:`SamplingFields`). OpenAI fields Ember does not implement (``n`` other than 1,
+``logprobs``, ``tools``, ``reasoning_effort``, ``store: true``, ...: :data:`UNSUPPORTED`)
+are answered 400 naming the field, unless they carry the value that means "not used"; any
+other key is answered 400 as unrecognized, as OpenAI does. The same holds for the keys of a
+chat message. ``max_completion_tokens`` is ``max_tokens`` under its newer name (it wins when
+both are given). A request's ``max_tokens`` is clamped to the function's ``maxTokens``.
+``stream_options.include_usage`` adds OpenAI's final usage chunk to a stream.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -23,6 +28,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StringConstraints,
     ValidationError,
     model_validator,
 )
@@ -37,28 +43,52 @@ MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 MAX_CHARS_PER_TOKEN = 32
 
 
-def _is_default(default: object) -> Callable[[Any], bool]:
-    return lambda value: value is None or bool(value == default)
+def _is_default(*defaults: object) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == d and type(value) is type(d) for d in defaults)
 
 
-# OpenAI request fields Ember does not implement, with the values that mean "not used".
+def _is_empty(value: Any) -> bool:
+    return value is None or value in ([], {})
+
+
+# OpenAI request fields (chat and legacy completions) Ember does not implement, with the
+# values that mean "not used"; any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _is_default(1),
     "best_of": _is_default(1),
-    "logprobs": lambda v: v is None or v is False,
+    "logprobs": _is_default(False),
     "top_logprobs": _is_default(0),
-    "echo": lambda v: v is None or v is False,
+    "echo": _is_default(False),
     "suffix": _is_default(""),
-    "logit_bias": lambda v: v is None or v == {},
-    "tools": lambda v: v is None or v == [],
-    "functions": lambda v: v is None or v == [],
+    "logit_bias": _is_empty,
+    "tools": _is_empty,
+    "functions": _is_empty,
     "tool_choice": _is_default("none"),
     "function_call": _is_default("none"),
-    "parallel_tool_calls": lambda v: True,  # meaningless without tools
     "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
-    "audio": _is_default(None),
-    "prediction": _is_default(None),
+    "audio": _is_default(),
+    "prediction": _is_default(),
+    "reasoning_effort": _is_default(),  # Ember's models do not reason in hidden tokens
+    "verbosity": _is_default(),
+    "web_search_options": _is_default(),
+    "moderation": _is_default(),
+    "store": _is_default(False),  # nothing is stored for later retrieval or evals
+    # One processing tier: a client asking for flex, priority or scale expects its latency
+    # or price terms, which Ember cannot give.
+    "service_tier": _is_default("auto", "default"),
+}
+
+# Keys of a chat message Ember does not implement, with their "not used" values. A message
+# ``name`` is not passed to chat templates, so it would be silently dropped: refused. The
+# others appear when a client replays an assistant message it received.
+UNSUPPORTED_IN_MESSAGE: dict[str, Callable[[Any], bool]] = {
+    "name": _is_default(),
+    "tool_calls": _is_empty,
+    "tool_call_id": _is_default(),
+    "function_call": _is_default(),
+    "refusal": _is_default(),
+    "audio": _is_default(),
 }
 
 
@@ -76,16 +106,27 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+# An identifier Ember accepts and ignores (it cannot change a response); bounded like OpenAI's.
+Identifier = Annotated[str, StringConstraints(max_length=512)]
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: Text
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False  # honoured: a last chunk with no choices and the usage
+    # Obfuscation pads stream events against length side channels. Ember does not pad (as
+    # if false were sent), so a client asking for it is refused rather than left unprotected.
+    include_obfuscation: StrictBool = False
+
+
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins
@@ -96,12 +137,28 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
+    # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache
+    # changes latency, never tokens) and parallel_tool_calls (tools are refused above).
+    user: Identifier | None = None
+    safety_identifier: Identifier | None = None
+    metadata: dict[MetadataKey, Identifier] | None = Field(None, max_length=16)
+    prompt_cache_key: Identifier | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _alias(self) -> SamplingFields:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with OpenAI's usage chunk (``stream_options.include_usage``)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class ChatRequest(SamplingFields):
@@ -112,19 +169,41 @@ class CompletionRequest(SamplingFields):
     prompt: Text
 
 
+def _without_unused(body: Mapping[str, Any], table: Mapping[str, Callable[[Any], bool]], where: str) -> Any:
+    """``body`` less the keys of ``table`` that carry their "not used" value; :class:`RequestError`
+    naming the first that does not."""
+    for name, unused in table.items():
+        if name in body and not unused(body[name]):
+            raise RequestError(f"{where}{name}: Ember does not implement this field")
+    return {k: v for k, v in body.items() if k not in table}
+
+
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
-    """Validate a request body; :class:`RequestError` names the first bad field (or the
-    first field Ember does not implement)."""
+    """Validate a request body; :class:`RequestError` names the first bad field (a field Ember
+    does not implement, or one it does not recognize)."""
     if isinstance(body, dict):
-        for name, unused in UNSUPPORTED.items():
-            if name in body and not unused(body[name]):
-                raise RequestError(f"{name}: Ember does not implement this field yet")
+        body = _without_unused(body, UNSUPPORTED, "")
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            body["messages"] = [
+                _without_unused(m, UNSUPPORTED_IN_MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m
+                for i, m in enumerate(messages)
+            ]
     try:
-        return ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
+        request = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(body)"
+        if first["type"] == "extra_forbidden":
+            raise RequestError(f"{where}: unrecognized request field") from None
         raise RequestError(f"{where}: {first['msg']}") from None
+    options = request.stream_options
+    if options is not None:
+        if not request.stream:  # as OpenAI answers
+            raise RequestError("stream_options: only allowed when stream is true")
+        if options.include_obfuscation:
+            raise RequestError("stream_options.include_obfuscation: Ember does not implement this field")
+    return request
 
 
 def check_prompt_chars(chars: int, max_context: int) -> None:
@@ -212,24 +291,41 @@ def sse_event(payload: Any) -> bytes:
 
 
 async def sse_chunks(
-    stream: AsyncIterator[StepOutput], rid: str, model: str, chat: bool, prompt_tokens: int
+    stream: AsyncIterator[StepOutput],
+    rid: str,
+    model: str,
+    chat: bool,
+    prompt_tokens: int,
+    include_usage: bool = False,
 ) -> AsyncIterator[bytes]:
-    """OpenAI streaming chunks for one request; the last carries ``usage``, then ``[DONE]``."""
+    """OpenAI streaming chunks for one request, then ``[DONE]``.
+
+    The chunk with the finish reason carries ``usage`` (an Ember extension clients have
+    relied on). With ``include_usage`` (``stream_options.include_usage``) it is OpenAI's
+    form instead: every chunk has ``"usage": null`` and one last chunk, with no choices,
+    carries the usage. A stream that fails ends with one error event and no usage.
+    """
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = 0
 
-    def chunk(delta: str | None, reason: str | None, usage: dict[str, int] | None = None) -> bytes:
+    def usage() -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+    def event(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model}
+        body["choices"] = choices
+        if usage is not None or include_usage:
+            body["usage"] = usage
+        return sse_event(body)
+
+    def chunk(delta: str | None, reason: str | None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
         if chat:
             choice["delta"] = {"content": delta} if delta is not None else {"role": "assistant"}
         else:
             choice["text"] = delta or ""
-        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model}
-        body["choices"] = [choice]
-        if usage is not None:
-            body["usage"] = usage
-        return sse_event(body)
+        return event([choice], usage() if reason and not include_usage else None)
 
     if chat:
         yield chunk(None, None)
@@ -238,12 +334,10 @@ async def sse_chunks(
             n += 1
             reason = out.finish_reason.value if out.finish_reason else None
             if out.text_delta or reason:
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": n,
-                    "total_tokens": prompt_tokens + n,
-                }
-                yield chunk(out.text_delta, reason, usage if reason else None)
+                yield chunk(out.text_delta, reason)
     except RequestFailed as exc:  # one error event, as OpenAI streams do
         yield sse_event({"error": {"type": exc.code, "message": str(exc)}})
+    else:
+        if include_usage:
+            yield event([], usage())
     yield sse_event("[DONE]")

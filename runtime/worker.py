@@ -11,7 +11,9 @@ On SIGTERM the server drains, the engine returns its KV blocks and the pool sess
 so the weights stay resident, inactive, for the next instance.
 
 Every route but ``/healthz`` requires the worker's own credential and bodies are bounded
-(:mod:`runtime.worker_guard`). Prompts are tokenized off the event loop, and ones far beyond
+(:mod:`runtime.worker_guard`); request headers are bounded in read time and size, and
+malformed requests answered with a JSON error, by the server the gateway runs too
+(:mod:`runtime.http_server`). Prompts are tokenized off the event loop, and ones far beyond
 the context are rejected before tokenizing (:meth:`ModelBinding.prepare`).
 """
 
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
+from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
 from runtime.openai_api import (
@@ -260,7 +263,7 @@ def build_app(state: WorkerState) -> FastAPI:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if request.stream:
             stream = a.binding.engine.stream(ids, params)
-            chunks = sse_chunks(stream, rid, a.name, chat, len(ids))
+            chunks = sse_chunks(stream, rid, a.name, chat, len(ids), request.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             done = await a.binding.complete(ids, params)
@@ -322,6 +325,7 @@ def serve(
     premap: list[str] | None = None,
     guard: GuardConfig | None = None,
     show_token: bool = False,
+    headers: HeaderLimits | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -330,7 +334,8 @@ def serve(
     ``premap`` lists pool sockets whose arenas are mapped and pre-faulted before readiness.
     ``guard`` holds the worker's credential and body bound (required: a worker never serves
     without one); ``show_token`` adds the credential to the readiness line (for a worker
-    started from the CLI, whose caller did not choose it).
+    started from the CLI, whose caller did not choose it). ``headers`` bounds each request's
+    line and headers (default: :class:`HeaderLimits`' defaults).
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -356,7 +361,9 @@ def serve(
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
     app = WorkerGuard(build_app(state), guard)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S)
+    config = server_config(
+        app, headers or HeaderLimits(), log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
+    )
     server = uvicorn.Server(config)
     ready: dict[str, Any] = {"event": "ready", "url": url, "pid": os.getpid()}
     if show_token:

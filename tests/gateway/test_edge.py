@@ -20,7 +20,14 @@ import redis
 from gateway.spawn import ServeProcess
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.spec import parse_function
-from tests.gateway.rawhttp import assert_error, closed_by_peer, connect, read_response, request_bytes
+from tests.rawhttp import (
+    assert_error,
+    closed_by_peer,
+    connect,
+    read_response,
+    read_responses,
+    request_bytes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +171,30 @@ def test_oversized_headers_are_431_without_memory_growth(edge: ServeProcess) -> 
         extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))
         sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
         assert read_response(sock).status == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nbad header line\r\n\r\n",
+        b"POST /v1/functions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    ],
+)
+def test_malformed_requests_are_400_with_embers_error_body(edge: ServeProcess, raw: bytes) -> None:
+    """Not uvicorn's ``text/plain`` "Invalid HTTP request received.": the same JSON as every error."""
+    with connect(edge.url) as sock:
+        sock.sendall(raw)
+        response = read_response(sock)
+        assert "malformed HTTP/1.1 request" in assert_error(response, 400, "invalid_request_error")
+        assert response.headers["connection"] == "close"
+        assert closed_by_peer(sock)
+    with connect(edge.url) as sock:  # a malformed successor: answered after the request before it
+        sock.sendall(request_bytes("GET", "/healthz") * 2 + b"NOT HTTP\r\n\r\n")
+        first, second, refusal = read_responses(sock, 3)
+        assert first.status == second.status == 200 and first.json()["status"] == "ok"
+        assert_error(refusal, 400, "invalid_request_error")
+        assert closed_by_peer(sock)
 
 
 def test_a_keep_alive_connection_outlives_the_header_timeout(edge: ServeProcess) -> None:

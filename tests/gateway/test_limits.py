@@ -1,10 +1,10 @@
-"""Edge limits: configuration from EMBER_* variables (failing loudly), depth-bounded JSON."""
+"""Edge and deploy limits: configuration from EMBER_* variables (failing loudly), depth-bounded JSON."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.limits import EdgeLimits, JSONError, load_json
+from gateway.limits import DEFAULT_MAX_FUNCTIONS, DeployLimits, EdgeLimits, JSONError, load_json
 
 
 def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -13,7 +13,11 @@ def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("EMBER_BODY_TIMEOUT", "2.5")
     limits = EdgeLimits.from_env()
     assert limits.max_body_bytes == 1024 and limits.body_timeout_s == 2.5
-    assert limits.max_spec_bytes == 1 << 20 and limits.header_timeout_s == 10.0
+    assert limits.max_spec_bytes == 1 << 20 and limits.headers.header_timeout_s == 10.0
+    monkeypatch.setenv("EMBER_HEADER_TIMEOUT", "3")
+    monkeypatch.setenv("EMBER_MAX_HEADER_BYTES", "4096")
+    headers = EdgeLimits.from_env().headers
+    assert (headers.header_timeout_s, headers.max_header_bytes) == (3.0, 4096)
 
 
 @pytest.mark.parametrize(
@@ -25,12 +29,24 @@ def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         ("EMBER_BODY_TIMEOUT", "soon"),
         ("EMBER_HEADER_TIMEOUT", "0"),
         ("EMBER_HEADER_TIMEOUT", "nan"),
+        ("EMBER_MAX_HEADER_BYTES", "1023"),
+        ("EMBER_MAX_HEADER_BYTES", "64KiB"),
     ],
 )
 def test_bad_limits_fail_loudly(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="EMBER_"):
         EdgeLimits.from_env()
+
+
+def test_the_function_quota_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DeployLimits.from_env().max_functions_per_namespace == DEFAULT_MAX_FUNCTIONS
+    monkeypatch.setenv("EMBER_MAX_FUNCTIONS_PER_NAMESPACE", "7")
+    assert DeployLimits.from_env() == DeployLimits(7)
+    for bad in ("0", "-1", "many", "1e3", "1000001"):
+        monkeypatch.setenv("EMBER_MAX_FUNCTIONS_PER_NAMESPACE", bad)
+        with pytest.raises(ValueError, match="EMBER_MAX_FUNCTIONS_PER_NAMESPACE"):
+            DeployLimits.from_env()
 
 
 def test_load_json_bounds_depth() -> None:

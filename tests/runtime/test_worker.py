@@ -7,8 +7,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from gpu_pool.client import PoolClient
@@ -100,3 +102,31 @@ def test_bad_requests_are_400s(
         assert needle in resp.json()["error"]["message"]
         broken = http.post(path, content=b"{not json", headers={"content-type": "application/json"})
         assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_stream_options_include_usage_as_the_openai_client_reads_it(
+    served: tuple[str, PoolProcess, dict[str, str]],
+) -> None:
+    """``stream_options: {"include_usage": true}``: every chunk has ``usage: null`` and one last
+    chunk with no choices carries it (what the official client's users read usage from)."""
+    url, _, auth = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", default_headers=auth, max_retries=0)
+    messages: Any = [{"role": "user", "content": "hello"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    *content, last = chunks
+    assert last.choices == [] and last.usage is not None and plain.usage is not None
+    assert last.usage.model_dump(exclude_none=True) == plain.usage.model_dump(exclude_none=True)
+    assert all(c.usage is None and len(c.choices) == 1 for c in content)
+    assert content[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in content) == plain.choices[0].message.content
+    legacy = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    *_, end = list(legacy)
+    assert end.choices == [] and end.usage is not None and end.usage.prompt_tokens >= 1

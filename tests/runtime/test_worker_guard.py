@@ -109,9 +109,11 @@ def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: t
     [("n", 2), ("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
      ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}),
      ("functions", [{"name": "f"}]), ("function_call", "auto"), ("echo", True), ("best_of", 3),
-     ("suffix", "!")],
+     ("suffix", "!"), ("reasoning_effort", "low"), ("service_tier", "flex"), ("store", True),
+     ("verbosity", "high"), ("web_search_options", {}), ("top_k", 40),
+     ("stream_options", {"include_usage": True})],  # without stream: true
 )  # fmt: skip
-def test_unimplemented_openai_fields_are_400s_naming_the_field(
+def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
     worker: tuple[str, str], field: str, value: object
 ) -> None:
     url, token = worker
@@ -119,7 +121,8 @@ def test_unimplemented_openai_fields_are_400s_naming_the_field(
         resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
         assert resp.status_code == 400
         assert resp.json()["error"]["message"].startswith(f"{field}:")
-        harmless = {"n": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "logprobs": False}
+        harmless = {"n": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "logprobs": False,
+                    "service_tier": "auto", "prompt_cache_key": "c", "safety_identifier": "s"}  # fmt: skip
         assert http.post("/v1/chat/completions", json={**CHAT, **harmless}).status_code == 200
 
 

@@ -36,25 +36,34 @@ def request_bytes(method: str, path: str, body: bytes = b"", headers: dict[str, 
 
 def read_response(sock: socket.socket) -> RawResponse:
     """Read one response (``Content-Length`` framed, as the gateway's JSON answers are)."""
+    return read_responses(sock, 1)[0]
+
+
+def read_responses(sock: socket.socket, count: int) -> list[RawResponse]:
+    """Read ``count`` responses in a row (pipelined requests' answers may share a read)."""
     data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"connection closed before a response: {data!r}")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("connection closed mid-body")
-        rest += chunk
-    return RawResponse(int(status_line.split()[1]), headers, rest[:length])
+    responses = []
+    while len(responses) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed before a response: {data!r}")
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        while len(data) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("connection closed mid-body")
+            data += chunk
+        responses.append(RawResponse(int(status_line.split()[1]), headers, data[:length]))
+        data = data[length:]
+    return responses
 
 
 def closed_by_peer(sock: socket.socket, timeout: float = 2.0) -> bool:

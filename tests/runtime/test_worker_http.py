@@ -1,0 +1,157 @@
+"""A worker's HTTP server against hostile clients: header read timeout, header size cap,
+malformed framing (issue 10). The gateway's server is tested the same way in
+``tests/gateway/test_edge.py``; both are :mod:`runtime.http_server`.
+
+One real pre-warmed worker process (``python -m runtime``, no model, credential on stdin)
+with a 1 s header timeout; raw sockets control every byte and show what happens to the
+connection. Nothing here needs the credential: every request is refused before routing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.worker_guard import TOKEN_HEADER
+from tests.rawhttp import assert_error, closed_by_peer, connect, read_response, request_bytes
+
+pytestmark = pytest.mark.slow
+
+MB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "worker-http-" + "t" * 20
+
+
+def start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime", "--port", "0"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    return proc
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[tuple[str, int]]:
+    """(URL, pid) of a pre-warmed worker with a 1 s header timeout and a 64 KiB header cap."""
+    proc = start_worker({"EMBER_HEADER_TIMEOUT": "1", "EMBER_MAX_HEADER_BYTES": str(64 << 10)})
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(TOKEN + "\n")  # the credential, as the agent sends it
+        proc.stdin.close()
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        yield json.loads(line)["url"], proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
+
+
+def peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_slow_headers_are_408_after_the_header_timeout(worker: tuple[str, int]) -> None:
+    url, _ = worker
+    with connect(url) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n")
+        for byte in b"x-slow: 1234567890":  # one byte every 0.2 s, for longer than the timeout
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.2)
+            if time.perf_counter() - t0 > 1.5:
+                break
+        assert_error(read_response(sock), 408, "request_timeout")
+        assert closed_by_peer(sock)
+        assert time.perf_counter() - t0 < 3.0
+    with connect(url) as idle:  # connected, nothing sent: closed after the timeout too
+        t0 = time.perf_counter()
+        assert_error(read_response(idle), 408, "request_timeout")
+        assert 0.9 < time.perf_counter() - t0 < 3.0
+
+
+def test_oversized_headers_are_431_without_memory_growth(worker: tuple[str, int]) -> None:
+    url, pid = worker
+    before = peak_rss_kib(pid)
+    with connect(url) as sock:
+        line = b"x-big: " + b"a" * MB + b"\r\n"
+
+        def send() -> None:
+            try:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n")
+                for _ in range(64):
+                    sock.sendall(line)
+            except OSError:
+                pass  # the worker closed the connection: expected
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert_error(read_response(sock), 431, "request_too_large")
+        assert closed_by_peer(sock)
+        sender.join(10)
+    assert peak_rss_kib(pid) - before < 24 << 10
+    with connect(url) as sock:  # many small headers within the cap still serve
+        extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
+        assert read_response(sock).status == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nbad header line\r\n\r\n",
+        # Chunk framing that is not hex, on a request whose headers were fine.
+        b"POST /invoke HTTP/1.1\r\nhost: t\r\n" + TOKEN_HEADER.encode() + b": " + TOKEN.encode()
+        + b"\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    ],
+)  # fmt: skip
+def test_malformed_requests_are_400_with_a_json_body(worker: tuple[str, int], raw: bytes) -> None:
+    url, _ = worker
+    with connect(url) as sock:
+        sock.sendall(raw)
+        response = read_response(sock)
+        assert "malformed HTTP/1.1 request" in assert_error(response, 400, "invalid_request_error")
+        assert response.headers["connection"] == "close"
+        assert closed_by_peer(sock)
+
+
+def test_a_keep_alive_connection_outlives_the_header_timeout(worker: tuple[str, int]) -> None:
+    url, _ = worker
+    with connect(url) as sock:
+        for _ in range(3):  # requests 0.6 s apart on one connection, 1.8 s > the 1 s timeout
+            sock.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(sock).status == 200
+            time.sleep(0.6)
+
+
+@pytest.mark.parametrize(
+    "env", [{"EMBER_HEADER_TIMEOUT": "0"}, {"EMBER_HEADER_TIMEOUT": "soon"}, {"EMBER_MAX_HEADER_BYTES": "1"}]
+)
+def test_bad_header_limits_stop_the_worker_loudly(env: dict[str, str]) -> None:
+    proc = start_worker(env)
+    try:
+        out, err = proc.communicate(TOKEN + "\n", timeout=60)
+    finally:
+        if proc.poll() is None:  # it started after all: stop it
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 2 and out == ""
+    assert next(iter(env)) in err

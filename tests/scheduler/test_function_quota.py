@@ -1,0 +1,66 @@
+"""The functions-per-namespace cap, enforced atomically by the state store (issue 10)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from scheduler.errors import FunctionQuotaExceeded
+from scheduler.redis_server import EmbeddedRedis
+from scheduler.state import ClusterState
+
+
+def spec(function_id: str) -> dict[str, object]:
+    namespace, _, name = function_id.rpartition("/")
+    return {"metadata": {"name": name, "namespace": namespace or "default"}}
+
+
+def test_a_full_namespace_refuses_new_functions_only(state: ClusterState) -> None:
+    for function_id in ("a", "b", "team/a", "team/b", "team-x/a"):
+        state.put_function(function_id, spec(function_id), max_in_namespace=2)
+    with pytest.raises(FunctionQuotaExceeded, match="namespace 'default' holds 2 functions, its limit is 2"):
+        state.put_function("c", spec("c"), max_in_namespace=2)
+    with pytest.raises(FunctionQuotaExceeded, match="namespace 'team' holds 2"):
+        state.put_function("team/c", spec("team/c"), max_in_namespace=2)
+    with pytest.raises(FunctionQuotaExceeded, match="namespace 'team'"):
+        state.check_room("team/c", 2)  # the early check agrees, and stores nothing
+    state.check_room("team/a", 2)  # a redeploy always has room
+    updated = {**spec("a"), "v": 2}
+    state.put_function("a", updated, max_in_namespace=2)  # a redeploy does not count twice
+    assert state.get_function("a") == updated
+    state.put_function("team-x/b", spec("team-x/b"), max_in_namespace=2)  # "team-x" is not "team"
+    assert sorted(state.list_functions()) == ["a", "b", "team-x/a", "team-x/b", "team/a", "team/b"]
+    state.delete_function("b")  # room again
+    state.put_function("c", spec("c"), max_in_namespace=2)
+    assert FunctionQuotaExceeded.code == "function_quota_exceeded"
+
+
+def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) -> None:
+    """16 gateways deploy 16 new functions into one namespace with room for 5 at once."""
+    barrier = threading.Barrier(16)
+    outcomes: list[bool] = []
+
+    def gateway(i: int) -> None:
+        s = ClusterState.from_url(redis_server.url)  # each gateway its own connection
+        try:
+            s.check_room(f"team/f{i}", 5)  # every early check passes: the namespace is empty
+            barrier.wait()
+            s.put_function(f"team/f{i}", spec(f"team/f{i}"), max_in_namespace=5)
+            outcomes.append(True)
+        except FunctionQuotaExceeded:
+            outcomes.append(False)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=gateway, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes) == [False] * 11 + [True] * 5
+    check = ClusterState.from_url(redis_server.url)
+    try:
+        assert len(check.list_functions()) == 5
+    finally:
+        check.close()
