@@ -362,7 +362,7 @@ async def run_node(env: Mapping[str, str], stop: asyncio.Event | None = None) ->
     import signal
 
     from gateway.redis_auth import PASSWORD_ENV, with_password
-    from runtime.node_daemon import NodeConfig, NodeDaemon
+    from runtime.node_daemon import NodeConfig, NodeDaemon, WantedModel
     from scheduler.state import ClusterState
 
     config = NodeConfig.from_env(env)
@@ -371,7 +371,18 @@ async def run_node(env: Mapping[str, str], stop: asyncio.Event | None = None) ->
         raise ValueError("EMBER_REDIS_URL is required: the node reports its pools' residency there")
     os.umask(0o077)  # the pool's log; its socket's mode is the pool's own choice
     state = ClusterState.from_url(url)
-    daemon = NodeDaemon(config, state.report_device)
+
+    def wanted() -> list[WantedModel]:
+        models = {}
+        for record in state.functions().values():
+            if record.model is not None:
+                model = record.spec["spec"]["model"]
+                models[record.model.model_id] = WantedModel(
+                    str(model["source"]), str(model["dtype"]), record.model.model_id
+                )
+        return list(models.values())
+
+    daemon = NodeDaemon(config, state.report_device, wanted)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,8 +7,16 @@ and publishes its stats every ``report_interval_s`` as the device record ``<node
 ``report`` (the composition root wires the cluster state's ``report_device``). The scheduler
 extender filters a node whose record is missing or stale, so a dead pool stops attracting pods
 by itself. Function pods attach without a ticket: each such session may hold
-``session_kv_quota`` bytes of KV. The pool trusts the model store under ``EMBER_HOME/models``,
-which in a cluster is the volume the gateway registers models into.
+``session_kv_quota`` bytes of KV.
+
+Each node keeps its own model store (``EMBER_HOME/models``, a hostPath that function pods mount
+read-only at the same path): the pool trusts only it. ``ember node`` registers there the
+models of every deployed function (``wanted``, read from the cluster state by the composition
+root) in the background, so a function pod finds its model's directory and the pool its store
+entry. Registration is deterministic (the model id is the source's content hash and dtype),
+so a node's id equals the one the gateway recorded at deploy; a mismatch is logged and the
+model is not offered. A failing registration (a source this node cannot reach) is retried
+with backoff and never stops the pool.
 """
 
 from __future__ import annotations
@@ -31,6 +39,19 @@ from runtime.supervisor import RestartConfig
 log = logging.getLogger(__name__)
 
 Report = Callable[[str, dict[str, Any]], None]  # device id, record
+
+
+@dataclass(frozen=True, slots=True)
+class WantedModel:
+    """A model a deployed function runs: its source, dtype and the id the gateway recorded."""
+
+    source: str
+    dtype: str
+    model_id: str
+
+
+Wanted = Callable[[], list[WantedModel]]
+RETRY_MAX_S = 300.0  # the longest wait before registering a failing source again
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +110,12 @@ class NodeConfig:
 class NodeDaemon:
     """The node's supervised pool daemons and the loop that reports them."""
 
-    def __init__(self, config: NodeConfig, report: Report) -> None:
+    def __init__(self, config: NodeConfig, report: Report, wanted: Wanted | None = None) -> None:
         self.config = config
         self._report = report
+        self._wanted = wanted
+        self.registered: dict[str, str] = {}  # model id -> its directory on this node
+        self._retry_at: dict[WantedModel, tuple[float, float]] = {}  # -> (monotonic due, delay)
         agent_config = AgentConfig(
             home=config.home, arena_bytes=config.arena_bytes, prewarm=0, node=config.node,
             restart=config.restart,
@@ -131,6 +155,41 @@ class NodeDaemon:
             out[self.device_id(device)] = record
         return out
 
+    async def sync_models(self) -> list[str]:
+        """Register the wanted models this node lacks (one at a time, off the event loop);
+        the ids registered by this call."""
+        import time
+
+        from runtime.registry import register
+
+        if self._wanted is None:
+            return []
+        done: list[str] = []
+        for model in await asyncio.to_thread(self._wanted):
+            if model.model_id in self.registered:
+                continue
+            due, delay = self._retry_at.get(model, (0.0, 0.0))
+            if time.monotonic() < due:
+                continue
+            try:
+                local = await asyncio.to_thread(register, model.source, model.dtype, self.config.home)
+            except Exception as exc:  # an unreachable or refused source: retry later
+                delay = min(RETRY_MAX_S, max(1.0, delay * 2))
+                self._retry_at[model] = (time.monotonic() + delay, delay)
+                log.warning(
+                    "registering %s on this node failed (retry in %.0f s): %s", model.source, delay, exc
+                )
+                continue
+            if local.model_id != model.model_id:
+                self._retry_at[model] = (time.monotonic() + RETRY_MAX_S, RETRY_MAX_S)
+                log.error("%s registers here as %s, not %s: its content differs from the gateway's",
+                          model.source, local.model_id, model.model_id)  # fmt: skip
+                continue
+            self._retry_at.pop(model, None)
+            self.registered[model.model_id] = str(local.directory)
+            done.append(model.model_id)
+        return done
+
     async def run(self, stop: asyncio.Event) -> None:
         """Report every ``report_interval_s`` until ``stop`` is set. A failing report (Redis
         away) is logged and retried at the next tick: the pool keeps serving pods meanwhile."""
@@ -139,6 +198,10 @@ class NodeDaemon:
                 await self.report_once()
             except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
                 log.warning("residency report failed: %s", exc)
+            try:
+                await self.sync_models()
+            except Exception as exc:  # Redis away: the next tick tries again
+                log.warning("reading the deployed functions failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
 

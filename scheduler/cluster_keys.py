@@ -19,6 +19,7 @@ ANNOTATION_WEIGHT_BYTES = "ember.dev/weight-bytes"  # its weight bytes, decimal
 POOL_DIR_ENV = "EMBER_POOL_DIR"  # where a node's pool sockets are (a read-only hostPath in pods)
 DEFAULT_POOL_DIR = "/var/run/ember"
 CPU_SOCKET = "cpu.sock"  # the CPU pool's socket inside the pool directory
+NODE_HOME = "/var/lib/ember"  # EMBER_HOME of gateway, nodes and function pods: same model dirs
 NODE_NAME_ENV = "EMBER_NODE_NAME"  # the Kubernetes node (downward API: spec.nodeName)
 
 

@@ -155,8 +155,13 @@ def test_one_cpu_pool_per_node_on_the_host_socket_directory() -> None:
     variables = env(daemon)
     assert variables[cluster_keys.NODE_NAME_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert variables[cluster_keys.POOL_DIR_ENV]["value"] == cluster_keys.DEFAULT_POOL_DIR
-    (volume,) = [v for v in spec["volumes"] if "hostPath" in v]
-    assert volume["hostPath"]["path"] == cluster_keys.DEFAULT_POOL_DIR
+    (volume,) = [
+        v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == cluster_keys.DEFAULT_POOL_DIR
+    ]
+    (store,) = [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == cluster_keys.NODE_HOME]
+    assert variables["EMBER_HOME"]["value"] == cluster_keys.NODE_HOME  # the node's model store
+    (store_mount,) = [m for m in daemon["volumeMounts"] if m["name"] == store["name"]]
+    assert store_mount["mountPath"] == cluster_keys.NODE_HOME and not store_mount.get("readOnly")
     (mount,) = [m for m in daemon["volumeMounts"] if m["name"] == volume["name"]]
     assert mount["mountPath"] == cluster_keys.DEFAULT_POOL_DIR and not mount.get("readOnly")
     socket = f"{cluster_keys.DEFAULT_POOL_DIR}/{cluster_keys.CPU_SOCKET}"
@@ -172,7 +177,7 @@ def test_one_cpu_pool_per_node_on_the_host_socket_directory() -> None:
     # the socket directory belongs to the user the pool (and function pods) run as
     (init,) = spec["initContainers"]
     uid = daemon["securityContext"]["runAsUser"]
-    assert init["command"] == ["chown", f"{uid}:{uid}", cluster_keys.DEFAULT_POOL_DIR]
+    assert init["command"] == ["chown", f"{uid}:{uid}", cluster_keys.DEFAULT_POOL_DIR, cluster_keys.NODE_HOME]
     assert f"--uid {uid}" in (KNATIVE / "Dockerfile").read_text()
     assert "nvidia.com/gpu" not in str(pool)  # GPU pools are the GPU issue's
 

@@ -113,3 +113,35 @@ def client_pid(socket_path: str) -> int | None:
         if b"gpu_pool" in b" ".join(argv) and socket_path.encode() in argv and status != "Z":
             return int(entry.name)
     return None
+
+
+def test_node_registers_deployed_models_in_its_own_store(
+    tmp_path: Path, pool_dir: Path, state: ClusterState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployed function's model appears in the node's store under the gateway's model id,
+    a source this node cannot read is retried without stopping anything."""
+    from runtime.node_daemon import NodeDaemon, WantedModel
+    from tests.runtime.pod_worker import make_home, put_function
+
+    monkeypatch.setenv("EMBER_MODEL_ROOTS", str(tmp_path))
+    gateway_home = make_home(tmp_path / "gw")  # what the gateway registered at deploy
+    put_function(state, gateway_home)
+    node_home = tmp_path / "node"
+    config = NodeConfig.from_env(
+        {"EMBER_HOME": str(node_home), "EMBER_POOL_DIR": str(pool_dir), "EMBER_NODE_NAME": "n1"}
+    )
+    missing = WantedModel(str(tmp_path / "gone.gguf"), "float32", "gone-000000000000-fp32")
+
+    def wanted() -> list[WantedModel]:
+        record = state.function("tiny")
+        assert record.model is not None
+        model = record.spec["spec"]["model"]
+        return [WantedModel(model["source"], model["dtype"], record.model.model_id), missing]
+
+    daemon = NodeDaemon(config, state.report_device, wanted)
+    done = asyncio.run(daemon.sync_models())
+    model_id = gateway_home.model.model_id
+    assert done == [model_id]
+    assert Path(daemon.registered[model_id]) == node_home / "models" / model_id
+    assert any((node_home / "models" / model_id).iterdir())
+    assert asyncio.run(daemon.sync_models()) == []  # idempotent; the missing source waits its backoff
