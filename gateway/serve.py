@@ -87,6 +87,7 @@ class ServeConfig:
         from runtime.registry import ember_home
         from runtime.sandbox import SandboxConfig
         from runtime.sources import SourceRoots
+        from runtime.worker_limits import WorkerLimits
 
         env = os.environ
         values: dict[str, Any] = {"home": ember_home()}
@@ -105,6 +106,7 @@ class ServeConfig:
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
         SourceRoots.from_env()  # ... or EMBER_MODEL_ROOTS
         SandboxConfig.from_env()  # ... or EMBER_WORKER_SANDBOX / EMBER_REQUIRE_SANDBOX
+        WorkerLimits.from_env()  # ... or EMBER_WORKER_MAX_OPEN_FILES / _MAX_DATA / _DROP_CAPS
         return cls(**values)
 
 
@@ -116,6 +118,7 @@ async def serve(config: ServeConfig) -> None:
     from runtime.process import die_with_parent
     from runtime.sandbox import SandboxConfig
     from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
+    from runtime.worker_limits import WorkerLimits
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
@@ -156,6 +159,7 @@ async def serve(config: ServeConfig) -> None:
             node=config.node,
             restart=restart,
             sandbox=SandboxConfig.from_env(),
+            limits=WorkerLimits.from_env(),
         ),
         report=state.report_device,
     )

@@ -14,8 +14,9 @@ the pre-warmed workers that mapped the dead arena are replaced. The agent satisf
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
 Each worker gets its own credential (:mod:`runtime.worker_spawn`: over stdin, with an
-environment stripped of secrets, ``TMPDIR`` set to ``EMBER_HOME/tmp``, and confined by
-:mod:`runtime.sandbox` unless ``EMBER_WORKER_SANDBOX=off``); the agent sends it on
+environment stripped of secrets, ``TMPDIR`` set to ``EMBER_HOME/tmp``, its resource limits and
+capabilities (:mod:`runtime.worker_limits`), and confined by :mod:`runtime.sandbox` unless
+``EMBER_WORKER_SANDBOX=off``); the agent sends it on
 ``/_ember/*`` and returns it in :class:`InstanceStart` so the gateway can reach the
 instance. A pre-warmed worker found dead when a function is handed to it (its port refuses
 the connection: nothing was delivered) is discarded and another one taken. Workers that
@@ -46,6 +47,7 @@ from runtime.process import boost, die_with_parent
 from runtime.sandbox import SandboxConfig, temp_dir
 from runtime.supervisor import RestartConfig, SpawnThread, supervise
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES, TOKEN_HEADER
+from runtime.worker_limits import WorkerLimits
 from runtime.worker_spawn import BackoffConfig, SpawnBackoff, new_token, worker_environment
 
 _JSON = {"content-type": "application/json"}  # the agent's messages are runtime.messages JSON
@@ -71,6 +73,7 @@ class AgentConfig:
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read or write EMBER_HOME
+    limits: WorkerLimits = field(default_factory=WorkerLimits)  # rlimits and capabilities of workers
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:
@@ -250,6 +253,9 @@ class NodeAgent:
                 except BaseException:
                     self._warm.insert(0, worker)  # unused: the next launch takes it
                     raise
+            # Out of SCHED_IDLE before it builds the instance: a worker without capabilities
+            # cannot do that itself (runtime.worker_limits).
+            boost(worker.proc.pid)
             try:
                 url = f"{worker.url}/_ember/assign"
                 resp = await self._http.post(url, content=body, headers={**worker.headers, **_JSON})
@@ -469,8 +475,9 @@ class NodeAgent:
             args += ["--preload", model_dir]
         for pool in self.pools.values():
             args += ["--premap", pool.socket_path]
-        args += ["--max-body-bytes", str(self.config.worker_max_body_bytes)]
+        args += ["--max-body-bytes", str(self.config.worker_max_body_bytes), *self.config.limits.args()]
         env = worker_environment(os.environ)  # function code inherits no secret
+        env["EMBER_HOME"] = str(self.config.home)  # handlers load from (and are confined to) its functions/
         if self.config.sandbox.enabled:
             args += ["--sandbox-home", str(self.config.home)]
             if self.config.sandbox.required:

@@ -2,11 +2,13 @@
 
 A pre-warmed worker (TIDAL's process pool) has torch and the runtime imported, its HTTP
 server listening and the templates of registered models loaded (tokenizer, chat template,
-profile), but no function. ``POST /_ember/assign`` turns it into an instance: it attaches to
-its device's pool, binds the model to the pool's tensor views (resident tensors are not
-copied), builds the engine from the materialized profile and, for a custom handler, runs
-its static initializer. It then serves OpenAI-compatible ``/v1/chat/completions`` and
-``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke`` (the function's handler).
+profile), but no function. ``POST /_ember/assign`` turns it into an instance: it confines
+itself to its function's code (:mod:`runtime.function_sandbox`; a worker serves one function
+for its life), attaches to its device's pool, binds the model to the pool's tensor views
+(resident tensors are not copied), builds the engine from the materialized profile and, for a
+custom handler, runs its static initializer. It then serves OpenAI-compatible
+``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke``
+(the function's handler).
 On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
 so the weights stay resident, inactive, for the next instance.
 
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
+from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.messages import AssignMessage, MessageError, PreloadMessage, ThreadsMessage
 from runtime.openai_api import (
@@ -45,6 +48,7 @@ from runtime.openai_api import (
     sse_event,
 )
 from runtime.process import set_idle_priority
+from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
 from runtime.worker_guard import GuardConfig, WorkerGuard
@@ -81,6 +85,7 @@ class WorkerState:
     mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
     assignment: Assignment | None = None
     assigning: bool = False
+    sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
         """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
@@ -128,8 +133,12 @@ async def assign(state: WorkerState, message: AssignMessage) -> dict[str, Any]:
     from gpu_pool.client import PoolClient
 
     t0 = time.perf_counter()
-    set_idle_priority(False)
     spec = message.spec
+    # First: the threads this assignment starts (the pool's watch thread, the thread pool's
+    # new threads) are then born under the function's sandbox layer.
+    await state.sandbox.confine(spec)
+    t_sandbox = time.perf_counter()
+    set_idle_priority(False)
     template = state.templates.get(message.model_dir)
     if template is None:
         template = await asyncio.to_thread(state.template, message.model_dir)
@@ -168,7 +177,11 @@ async def assign(state: WorkerState, message: AssignMessage) -> dict[str, Any]:
         client.close()
         raise
     state.assignment = Assignment(message.instance_id, spec, binding, client, runner, driver)
-    timings = {"template_ms": (t_template - t0) * 1e3, **binding.timings_ms}
+    timings = {
+        "sandbox_ms": (t_sandbox - t0) * 1e3,
+        "template_ms": (t_template - t_sandbox) * 1e3,
+        **binding.timings_ms,
+    }
     timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
     return {"instance_id": message.instance_id, "timings_ms": timings, "acquire": binding.acquire_report}
 
@@ -232,6 +245,10 @@ def build_app(state: WorkerState) -> FastAPI:
         state.assigning = True
         try:
             return await assign(state, AssignMessage.from_json(await raw.body()))
+        except ConfinedElsewhere as exc:
+            return _error(409, exc.code, str(exc))
+        except SandboxError as exc:  # the function's layer could not be stacked: not its code's fault
+            return _error(500, exc.code, str(exc))
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error
@@ -321,6 +338,7 @@ def serve(
     premap: list[str] | None = None,
     guard: GuardConfig | None = None,
     show_token: bool = False,
+    function_layer: FunctionLayer | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -329,7 +347,8 @@ def serve(
     ``premap`` lists pool sockets whose arenas are mapped and pre-faulted before readiness.
     ``guard`` holds the worker's credential and body bound (required: a worker never serves
     without one); ``show_token`` adds the credential to the readiness line (for a worker
-    started from the CLI, whose caller did not choose it).
+    started from the CLI, whose caller did not choose it). ``function_layer`` (a sandboxed
+    worker's) confines the worker to its function's code when it is assigned.
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -342,7 +361,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = WorkerState()
+    state = WorkerState(sandbox=FunctionSandbox(function_layer))
     from gpu_pool.client import premap as map_arena
 
     for model_dir in preload or []:
@@ -362,6 +381,7 @@ def serve(
         ready["token"] = guard.token
 
     async def main() -> None:
+        state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
         if assignment is not None:
             await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))
