@@ -86,6 +86,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
     from runtime.process import die_with_parent
     from runtime.sandbox import SandboxConfig
     from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
+    from runtime.worker_limits import WorkerLimits
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
@@ -121,6 +122,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
             node=config.node,
             restart=restart,
             sandbox=SandboxConfig.from_env(),
+            limits=WorkerLimits.from_env(),
         ),
         report=state.report_device,
     )

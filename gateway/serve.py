@@ -83,6 +83,7 @@ class ServeConfig:
         from runtime.registry import ember_home
         from runtime.sandbox import SandboxConfig
         from runtime.sources import SourceRoots
+        from runtime.worker_limits import WorkerLimits
 
         env = os.environ
         values: dict[str, Any] = {"home": ember_home()}
@@ -103,6 +104,7 @@ class ServeConfig:
         SandboxConfig.from_env()  # ... or EMBER_WORKER_SANDBOX / EMBER_REQUIRE_SANDBOX
         EdgeLimits.from_env()  # ... or request limits (workers read the header ones too)
         DeployLimits.from_env()  # ... or EMBER_MAX_FUNCTIONS_PER_NAMESPACE
+        WorkerLimits.from_env()  # ... or EMBER_WORKER_MAX_OPEN_FILES / _MAX_DATA / _DROP_CAPS
         return cls(**values)
 
 

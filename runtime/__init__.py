@@ -14,5 +14,7 @@ daemons and their supervision), :mod:`runtime.warm_pool` (the pre-warmed workers
 :mod:`runtime.sandbox` confines each worker the agent starts with
 Landlock, so handler code cannot read ``EMBER_HOME`` beyond ``models/``, ``functions/``
 and ``tmp/`` (no ``serve.json``, Redis files or logs), write it beyond ``tmp/``, or signal
-processes outside the worker.
+processes outside the worker; once assigned (:mod:`runtime.function_sandbox`) it reads only its
+own function's code there. :mod:`runtime.worker_limits` sets each worker's resource limits and
+drops its capabilities; :mod:`runtime.landlock` is the kernel interface.
 """

@@ -12,7 +12,8 @@ Its parts, one module each: :mod:`runtime.device_pools` (the pool daemons and th
 supervision: when one dies, the instances on its device are killed, since their pool session
 is gone and their state is not to be trusted, and the router forgets them because
 :meth:`NodeAgent.alive` turns false; launches on that device wait for the restart),
-:mod:`runtime.warm_pool` (the pre-warmed workers: credentials, sandbox, start backoff, stale
+:mod:`runtime.warm_pool` (the pre-warmed workers: credentials, sandbox, resource limits and capabilities
+(:mod:`runtime.worker_limits`), start backoff, stale
 workers replaced after a pool restart), :mod:`runtime.worker_handle` (one worker as the agent
 sees it), :mod:`runtime.device_report` (the device record) and :mod:`runtime.agent_config`.
 
@@ -41,6 +42,7 @@ from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
 from runtime.errors import LaunchError
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
+from runtime.process import boost
 from runtime.warm_pool import WarmPool
 from runtime.worker_handle import WorkerHandle, error_message
 
@@ -166,6 +168,9 @@ class NodeAgent:
                 except BaseException:
                     self._workers.put_back(worker)  # unused: the next launch takes it
                     raise
+            # Out of SCHED_IDLE before it builds the instance: a worker without capabilities
+            # cannot do that itself (runtime.worker_limits).
+            boost(worker.proc.pid)
             try:
                 resp = await worker.post(self._http, "assign", body)
             except httpx.ConnectError as exc:  # a dead worker: nothing was delivered, take another

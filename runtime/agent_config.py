@@ -9,6 +9,7 @@ from pathlib import Path
 from runtime.sandbox import SandboxConfig
 from runtime.supervisor import RestartConfig
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES
+from runtime.worker_limits import WorkerLimits
 from runtime.worker_spawn import BackoffConfig
 
 
@@ -28,6 +29,7 @@ class AgentConfig:
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read or write EMBER_HOME
+    limits: WorkerLimits = field(default_factory=WorkerLimits)  # rlimits and capabilities of workers
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:

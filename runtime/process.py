@@ -12,7 +12,9 @@ def set_idle_priority(idle: bool) -> None:
 
     A pre-warmed worker imports torch and warms its kernels while instances serve on the
     same cores; as ``SCHED_IDLE`` it only runs when they leave a core free. Once assigned
-    it competes normally. Linux lets an unprivileged process switch both ways.
+    it competes normally. Entering ``SCHED_IDLE`` needs no privilege; leaving it needs
+    ``CAP_SYS_NICE`` (or ``RLIMIT_NICE`` >= 20), which a worker has dropped, so the agent
+    also moves it back (:func:`boost`) and a refusal here is ignored.
     """
     import contextlib
     import os
@@ -46,8 +48,10 @@ def die_with_parent() -> Callable[[], None]:
 def boost(pid: int) -> None:
     """Move every thread of process ``pid`` (a pre-warming worker) to ``SCHED_OTHER``.
 
-    Used when a request waits for a pre-warmed worker that is still starting: at
-    ``SCHED_IDLE`` on a busy machine it could starve. Same user, so no privilege is needed.
+    Used when a request waits for a pre-warmed worker that is still starting (at
+    ``SCHED_IDLE`` on a busy machine it could starve), and when a worker is assigned. Leaving
+    ``SCHED_IDLE`` needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE`` >= 20): the agent of a root
+    ``ember serve`` has it, its workers have not; refused, the worker stays idle-class.
     """
     import contextlib
     import os

@@ -1,10 +1,14 @@
 """Landlock confinement of a worker: handler code cannot read what ``ember serve`` keeps in ``EMBER_HOME``.
 
-Workers run function code with the uid of ``ember serve`` (often root, and Python may live in
-a 0700 home, so dropping to another uid is not an option). ``EMBER_HOME`` holds
-``serve.json`` (the admin API key), the embedded Redis's files (``redis/``), every instance's
-logs (``logs/``), ``serve.log`` and the pool sockets. A worker therefore restricts itself with
-Linux Landlock (which binds root too) before any handler code can run:
+Workers run function code with the uid of ``ember serve`` (often root). Dropping to another
+uid is not an option: the interpreter may live in a 0700 ``/root`` that another uid cannot
+even traverse. Instead a worker drops every capability (:mod:`runtime.worker_limits`: it stays
+uid 0 but cannot override file permissions, ptrace or read the memory of the pool or
+``ember serve``, signal other uids, mount, change uid or raise its limits) and confines itself
+with Linux Landlock, which binds root too. ``EMBER_HOME`` holds ``serve.json`` (the admin API
+key), the embedded Redis's files (``redis/``), every instance's logs (``logs/``),
+``serve.log`` and the pool sockets. The first layer (:func:`apply`, at worker start, before
+any handler code can run):
 
 * reads and writes are handled (``READ_FILE``, ``READ_DIR`` and every right that writes,
   creates, removes, renames or truncates); execs and sockets are left to the ordinary
@@ -16,24 +20,39 @@ Linux Landlock (which binds root too) before any handler code can run:
 * from Landlock ABI 6, signals only within the worker (its own process and children): handler
   code cannot kill the pool, ``redis-server``, ``ember serve`` or other workers.
 
+The second layer (:class:`FunctionLayer`, stacked at assignment by
+:mod:`runtime.function_sandbox`, before the handler module is imported) handles reads only:
+beneath ``functions/`` just the worker's own function's directory
+(``functions/NAMESPACE/NAME``, every version of its code) stays readable, so one function's
+handler cannot read another's code. Layers intersect: the first layer's rules still hold.
+From ABI 8 it binds every thread at once; before, the threads started after it (see
+:mod:`runtime.function_sandbox` for the native threads that predate it).
+
 Landlock is an allow-list over directory trees, so "all but one subtree" is one rule per
-existing sibling of each directory on the way from ``/`` to ``EMBER_HOME``. Consequences (see
-the README's security section): those ancestors cannot be listed, entries created *later*
-directly inside one of them (say a new ``/tmp/x``) are unreadable to the worker (``TMPDIR``
-covers temporary files), a bind mount or hard link exposing ``EMBER_HOME`` elsewhere stays
-readable, and ``stat`` (names, sizes) is not hidden, only contents and listings.
+existing sibling of each directory on the way from ``/`` to ``EMBER_HOME`` (to
+``EMBER_HOME/functions`` for the second layer). Consequences (see the README's security
+section): those ancestors cannot be listed, entries created *later* directly inside one of
+them (say a new ``/tmp/x``) are unreadable to the worker (``TMPDIR`` covers temporary files),
+a bind mount or hard link exposing ``EMBER_HOME`` elsewhere stays readable, and ``stat``
+(names, sizes) is not hidden, only contents and listings.
+
+What remains shared between the workers of a server (same uid, capabilities or not): ``tmp/``
+(read-write for all), ``models/`` (read-only), everything outside ``EMBER_HOME`` that the uid
+may read or write (root-owned files included: dropping capabilities does not change file
+access by the owner), the network and the pool sockets (the pool checks tickets, not uids),
+the embedded Redis's socket (password-protected), and the CPU, memory and devices (only
+``RLIMIT_DATA``, when set, bounds one worker's private memory; there is no cgroup).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.landlock import READS, SCOPE_ABI, SCOPE_SIGNAL, TSYNC_ABI, Ruleset, abi_version, write_rights
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +61,6 @@ REQUIRE_ENV = "EMBER_REQUIRE_SANDBOX"  # "1": a worker without Landlock refuses 
 READABLE = ("models", "functions", "tmp")  # the parts of EMBER_HOME a worker may read
 WRITABLE = ("tmp",)  # ... and of those, the ones it may write
 MAX_RULES = 4096  # siblings of EMBER_HOME's ancestors (an unbounded /tmp must not stall starts)
-
-# Linux UAPI (include/uapi/linux/landlock.h); the syscall numbers are the same on every arch.
-_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
-_CREATE_RULESET_VERSION = 1
-_RULE_PATH_BENEATH = 1
-_READ_FILE, _READ_DIR = 1 << 2, 1 << 3
-_WRITE_FILE, _TRUNCATE, _REFER = 1 << 1, 1 << 14, 1 << 13  # TRUNCATE from ABI 3, REFER from 2
-_WRITE_DIR = sum(1 << bit for bit in range(4, 13))  # REMOVE_DIR/FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM
-_SCOPE_SIGNAL, _SCOPE_ABI = 1 << 1, 6  # LANDLOCK_SCOPE_SIGNAL, from ABI 6
-_PR_SET_NO_NEW_PRIVS = 38
 
 
 class SandboxError(RuntimeError):
@@ -88,6 +97,7 @@ class SandboxReport:
     abi: int
     rules: int = 0
     reason: str | None = None
+    all_threads: bool = False  # the function layer reached every thread (ABI 8), not only the caller
 
 
 def _choice(env: Mapping[str, str], name: str, values: dict[str, bool], default: str) -> bool:
@@ -113,45 +123,10 @@ def _readable_dirs(home: Path) -> list[Path]:
     return [Path(os.path.realpath(path)) for path in dirs]  # an operator's symlinked store is followed
 
 
-class _RulesetAttr(ctypes.Structure):
-    # The kernel accepts a prefix of the struct: 8 bytes (ABI 1: handled_access_fs) or, from
-    # ABI 6, all 24 (scoped: what the domain may not reach outside itself).
-    _fields_ = (
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    )
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1  # __attribute__((packed)) in the UAPI: 12 bytes
-    _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
-
-
-def _syscall(libc: ctypes.CDLL, *args: object) -> int:
-    result = int(libc.syscall(*args))
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return result
-
-
-def abi_version(libc: ctypes.CDLL | None = None) -> int:
-    """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
-    libc = libc or ctypes.CDLL(None, use_errno=True)
-    try:
-        return _syscall(
-            libc, ctypes.c_long(_SYS_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(1)
-        )
-    except OSError as exc:
-        if exc.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
-            return 0
-        raise
-
-
-def readable_roots(home: Path) -> list[Path]:
-    """Siblings of ``home``'s ancestors: what a sandboxed worker may read beneath outside ``home``."""
-    target = Path(os.path.realpath(home))
+def readable_roots(target: Path) -> list[Path]:
+    """Siblings of ``target``'s ancestors: "all but ``target``" as rules (what a sandboxed worker
+    may read beneath outside EMBER_HOME, or outside the functions root)."""
+    target = Path(os.path.realpath(target))
     roots: list[Path] = []
     for ancestor in reversed(target.parents):  # "/" first
         on_path = target.parts[len(ancestor.parts)]
@@ -165,8 +140,17 @@ def readable_roots(home: Path) -> list[Path]:
     return roots
 
 
+def _unavailable(config: SandboxConfig) -> SandboxReport:
+    """No Landlock here: a warning (the worker runs unconfined), or :class:`SandboxError` if required."""
+    reason = "this kernel has no Landlock (or it is disabled)"
+    if config.required:
+        raise SandboxError(f"{reason}, and {REQUIRE_ENV}=1")
+    log.warning("worker runs unconfined: %s; handlers can read EMBER_HOME", reason)
+    return SandboxReport(False, 0, reason=reason)
+
+
 def apply(home: Path, config: SandboxConfig | None = None) -> SandboxReport:
-    """Confine the calling process's reads (see module docstring); irreversible.
+    """Confine the calling process's reads and writes (see module docstring); irreversible.
 
     Call it while the process has one thread: Landlock restricts only the calling thread and
     the threads it creates later, so an older thread would stay free. Without Landlock the
@@ -175,72 +159,101 @@ def apply(home: Path, config: SandboxConfig | None = None) -> SandboxReport:
     config = config or SandboxConfig()
     if not config.enabled:
         return SandboxReport(False, 0, reason=f"{SANDBOX_ENV}=off")
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = abi_version(libc)
+    abi = abi_version()
     if abi == 0:
-        reason = "this kernel has no Landlock (or it is disabled)"
-        if config.required:
-            raise SandboxError(f"{reason}, and {REQUIRE_ENV}=1")
-        log.warning("worker runs unconfined: %s; handlers can read EMBER_HOME", reason)
-        return SandboxReport(False, 0, reason=reason)
+        return _unavailable(config)
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         raise SandboxError(f"the sandbox must be applied before any thread starts ({threads} running)")
     inside, outside = _readable_dirs(home), readable_roots(home)
-    writes = _WRITE_FILE | _WRITE_DIR | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    writes = write_rights(abi)
     # From ABI 6 also no signals to processes outside the worker's domain: handler code (same
     # uid) must not kill the pool, redis-server, ember serve or another function's worker.
-    scoped = _SCOPE_SIGNAL if abi >= _SCOPE_ABI else 0
-    attr = _RulesetAttr(_READ_FILE | _READ_DIR | writes, 0, scoped)
-    size = ctypes.sizeof(attr) if scoped else 8
-    ruleset = _syscall(libc, ctypes.c_long(_SYS_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size), 0)
+    scoped = SCOPE_SIGNAL if abi >= SCOPE_ABI else 0
     try:
-        rules = sum(
-            _add_rule(libc, ruleset, path, follow=True, writes=writes if name in WRITABLE else 0)
-            for name, path in zip(READABLE, inside, strict=True)
-        )
-        rules += sum(_add_rule(libc, ruleset, path, follow=False, writes=writes) for path in outside)
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # restrict_self requires it
-            raise SandboxError(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
-        _syscall(libc, ctypes.c_long(_SYS_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0))
+        with Ruleset(READS | writes, scoped) as ruleset:
+            rules = sum(
+                ruleset.allow(path, READS | (writes if name in WRITABLE else 0), follow=True)
+                for name, path in zip(READABLE, inside, strict=True)
+            )
+            rules += sum(ruleset.allow(path, READS | writes, follow=False) for path in outside)
+            ruleset.restrict_self()
     except OSError as exc:
         raise SandboxError(f"Landlock failed: {exc}") from exc
-    finally:
-        os.close(ruleset)
     log.info("worker confined by Landlock ABI %d: %d rules, %s unreadable but %s", abi, rules, home, READABLE)
     return SandboxReport(True, abi, rules)
 
 
-def _add_rule(libc: ctypes.CDLL, ruleset: int, path: Path, follow: bool, writes: int = 0) -> int:
-    """Allow reads (and ``writes``) beneath ``path``; 0 when it vanished or (unless ``follow``)
-    is a symlink.
+class FunctionLayer:
+    """The second layer: beneath the functions root, only one function's directory stays
+    readable; everything else keeps what the first layer allows.
 
-    Siblings are never followed: a symlink pointing into EMBER_HOME must not open it up, and
-    reads through a symlink are checked where it leads anyway.
+    Built by :meth:`prepare` before the first layer (which makes the functions root's ancestors
+    unlistable), at worker start; enforced once, by :meth:`restrict`, when the worker learns its
+    function (then only that directory's rule is added: the assignment pays for one rule, not
+    for a rule per entry beside EMBER_HOME's ancestors).
     """
-    flags = os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return 0
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISLNK(mode):
-            return 0
-        # Directory rights (READ_DIR, MAKE_*, REMOVE_*, REFER): the kernel refuses them
-        # (EINVAL) on any other file, which takes only READ_FILE, WRITE_FILE and TRUNCATE.
-        if stat.S_ISDIR(mode):
-            access = _READ_FILE | _READ_DIR | writes
-        else:
-            access = _READ_FILE | (writes & (_WRITE_FILE | _TRUNCATE))
-        rule = _PathBeneathAttr(access, fd)
-        args = (
-            ctypes.c_int(ruleset),
-            ctypes.c_int(_RULE_PATH_BENEATH),
-            ctypes.byref(rule),
-            ctypes.c_uint32(0),
-        )
-        _syscall(libc, ctypes.c_long(_SYS_ADD_RULE), *args)
-        return 1
-    finally:
-        os.close(fd)
+
+    def __init__(
+        self, root: Path, config: SandboxConfig, abi: int, ruleset: Ruleset | None, rules: int
+    ) -> None:
+        self.root = root  # realpath of EMBER_HOME/functions
+        self.config = config
+        self.abi = abi
+        self._ruleset = ruleset
+        self._rules = rules
+
+    @classmethod
+    def prepare(cls, home: Path, config: SandboxConfig | None = None) -> FunctionLayer:
+        """Call before :func:`apply`: the ruleset's rules name what lies beside the directories
+        from ``/`` to the functions root. Only reads are handled: writes stay as the first
+        layer has them (none beneath ``functions/``)."""
+        config = config or SandboxConfig()
+        _readable_dirs(home)  # functions/ exists (a rule needs it), as apply() makes sure too
+        root = Path(os.path.realpath(Path(home) / "functions"))
+        abi = abi_version() if config.enabled else 0
+        if abi == 0:
+            return cls(root, config, abi, None, 0)
+        beside = readable_roots(root)
+        try:
+            ruleset = Ruleset(READS)
+        except OSError as exc:
+            raise SandboxError(f"Landlock failed: {exc}") from exc
+        try:
+            rules = sum(ruleset.allow(path, READS, follow=False) for path in beside)
+        except OSError as exc:
+            ruleset.close()
+            raise SandboxError(f"Landlock failed: {exc}") from exc
+        return cls(root, config, abi, ruleset, rules)
+
+    def function_dir(self, namespace: str, name: str) -> Path:
+        """Where the gateway stores the code of function ``name`` in ``namespace``
+        (``gateway.function_code``: ``functions/NAMESPACE/NAME``, ``default`` for plain names)."""
+        for part in (namespace, name):
+            if not part or len(part) > 63 or part in (".", "..") or "/" in part or "\0" in part:
+                raise SandboxError(f"function {namespace}/{name}: not a namespace and name")
+        return self.root / namespace / name
+
+    def restrict(self, own: Path) -> SandboxReport:
+        """Enforce the layer with ``own`` (a function's directory) readable, on the calling
+        thread and the threads it starts from now on (from ABI 8: on every thread). Once only;
+        irreversible. Without Landlock: as :func:`apply` (a warning, or an error if required)."""
+        if not self.config.enabled:
+            return SandboxReport(False, 0, reason=f"{SANDBOX_ENV}=off")
+        if self.abi == 0:
+            return _unavailable(self.config)
+        if own.parent.parent != self.root:
+            raise SandboxError(f"{own} is not a function's directory under {self.root}")
+        ruleset, self._ruleset = self._ruleset, None
+        if ruleset is None:
+            raise SandboxError("the function layer was already enforced")
+        all_threads = self.abi >= TSYNC_ABI
+        try:
+            rules = self._rules + ruleset.allow(own, READS, follow=False)  # none while it has no code
+            ruleset.restrict_self(all_threads)
+        except OSError as exc:
+            raise SandboxError(f"Landlock failed: {exc}") from exc
+        finally:
+            ruleset.close()
+        log.info("worker confined to %s (Landlock ABI %d, all threads %s)", own, self.abi, all_threads)
+        return SandboxReport(True, self.abi, rules, all_threads=all_threads)

@@ -151,8 +151,9 @@ class WarmPool:
             args += ["--preload", model_dir]
         for socket_path in self._pool_sockets():
             args += ["--premap", socket_path]
-        args += ["--max-body-bytes", str(config.worker_max_body_bytes)]
+        args += ["--max-body-bytes", str(config.worker_max_body_bytes), *config.limits.args()]
         env = worker_environment(os.environ)  # function code inherits no secret
+        env["EMBER_HOME"] = str(config.home)  # handlers load from (and are confined to) its functions/
         if config.sandbox.enabled:
             args += ["--sandbox-home", str(config.home)]
             if config.sandbox.required:

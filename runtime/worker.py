@@ -2,11 +2,13 @@
 
 A pre-warmed worker (TIDAL's process pool) has torch and the runtime imported, its HTTP
 server listening and the templates of registered models loaded (tokenizer, chat template,
-profile), but no function. ``POST /_ember/assign`` turns it into an instance: it attaches to
-its device's pool, binds the model to the pool's tensor views (resident tensors are not
-copied), builds the engine from the materialized profile and, for a custom handler, runs
-its static initializer. It then serves OpenAI-compatible ``/v1/chat/completions`` and
-``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke`` (the function's handler).
+profile), but no function. ``POST /_ember/assign`` turns it into an instance: it confines
+itself to its function's code (:mod:`runtime.function_sandbox`; a worker serves one function
+for its life), attaches to its device's pool, binds the model to the pool's tensor views
+(resident tensors are not copied), builds the engine from the materialized profile and, for a
+custom handler, runs its static initializer. It then serves OpenAI-compatible
+``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke``
+(the function's handler).
 On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
 so the weights stay resident, inactive, for the next instance.
 
@@ -37,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
+from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
@@ -48,6 +51,7 @@ from runtime.openai_api import (
     sse_event,
 )
 from runtime.process import set_idle_priority
+from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
 from runtime.worker_guard import GuardConfig, WorkerGuard
@@ -84,6 +88,7 @@ class WorkerState:
     mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
     assignment: Assignment | None = None
     assigning: bool = False
+    sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
         """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
@@ -131,8 +136,12 @@ async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
     from gpu_pool.client import PoolClient
 
     t0 = time.perf_counter()
-    set_idle_priority(False)
     spec = message.spec
+    # First: the threads this assignment starts (the pool's watch thread, the thread pool's
+    # new threads) are then born under the function's sandbox layer.
+    await state.sandbox.confine(spec)
+    t_sandbox = time.perf_counter()
+    set_idle_priority(False)
     template = state.templates.get(message.model_dir)
     if template is None:
         template = await asyncio.to_thread(state.template, message.model_dir)
@@ -171,7 +180,11 @@ async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
         client.close()
         raise
     state.assignment = Assignment(message.instance_id, spec, binding, client, runner, driver)
-    timings = {"template_ms": (t_template - t0) * 1e3, **binding.timings_ms}
+    timings = {
+        "sandbox_ms": (t_sandbox - t0) * 1e3,
+        "template_ms": (t_template - t_sandbox) * 1e3,
+        **binding.timings_ms,
+    }
     timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
     return AssignReply(message.instance_id, timings, binding.acquire_report)
 
@@ -236,6 +249,10 @@ def build_app(state: WorkerState) -> FastAPI:
         try:
             reply = await assign(state, AssignMessage.from_json(await raw.body()))
             return Response(reply.to_json(), media_type="application/json")
+        except ConfinedElsewhere as exc:
+            return _error(409, exc.code, str(exc))
+        except SandboxError as exc:  # the function's layer could not be stacked: not its code's fault
+            return _error(500, exc.code, str(exc))
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error
@@ -326,6 +343,7 @@ def serve(
     guard: GuardConfig | None = None,
     show_token: bool = False,
     headers: HeaderLimits | None = None,
+    function_layer: FunctionLayer | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -335,7 +353,8 @@ def serve(
     ``guard`` holds the worker's credential and body bound (required: a worker never serves
     without one); ``show_token`` adds the credential to the readiness line (for a worker
     started from the CLI, whose caller did not choose it). ``headers`` bounds each request's
-    line and headers (default: :class:`HeaderLimits`' defaults).
+    line and headers (default: :class:`HeaderLimits`' defaults). ``function_layer`` (a sandboxed
+    worker's) confines the worker to its function's code when it is assigned.
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -348,7 +367,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = WorkerState()
+    state = WorkerState(sandbox=FunctionSandbox(function_layer))
     from gpu_pool.client import premap as map_arena
 
     for model_dir in preload or []:
@@ -370,6 +389,7 @@ def serve(
         ready["token"] = guard.token
 
     async def main() -> None:
+        state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
         if assignment is not None:
             await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -1,6 +1,6 @@
 """End to end (issue 10): handler code in a real ``ember serve`` cannot read ``serve.json``, the
-embedded Redis's files or another function's log, while the handler itself works (its model,
-its temporary files)."""
+embedded Redis's files, another function's log or another function's code, while the handler
+itself works (its model, its temporary files, its own code)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,46 @@ def test_a_handler_cannot_hog_kv_evict_or_grant_itself_a_quota(
     assert chat.status_code == 201
     said = http.post("/v1/functions/after-hog/invoke", json={"prompt": "Hi", "max_tokens": 2})
     assert said.status_code == 200, said.text
+
+
+READING_HANDLER = """
+from pathlib import Path
+
+
+def handler(event, context):
+    seen = {}
+    for name, path in event["paths"].items():
+        try:
+            seen[name] = Path(path).read_text()
+        except OSError as exc:
+            seen[name] = type(exc).__name__
+    return seen
+"""
+
+
+def test_a_handler_reads_only_its_own_functions_code(
+    server: ServeProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    """Every function's code is under EMBER_HOME/functions: an instance reads its own (it
+    imports it), not another function's, whichever namespace either lives in."""
+    module = tmp_path / "reader.py"
+    module.write_text(READING_HANDLER)
+    stored = {}
+    for name, namespace in (("reader", "team-a"), ("victim", "default"), ("victim", "team-a")):
+        document = chat_spec(name)
+        document["metadata"]["namespace"] = namespace
+        document["spec"]["handler"] = f"{module}:handler"
+        created = http.post("/v1/functions", json=document)
+        assert created.status_code == 201, created.text
+        stored[f"{namespace}/{name}"] = created.json()["spec"]["handler"].rpartition(":")[0]
+    assert stored["team-a/reader"].startswith(str(server.home.resolve() / "functions" / "team-a" / "reader"))
+    out = http.post("/v1/functions/reader/invoke?namespace=team-a", json={"paths": stored})
+    assert out.status_code == 200, out.text
+    assert out.json() == {
+        "team-a/reader": READING_HANDLER,
+        "default/victim": "PermissionError",
+        "team-a/victim": "PermissionError",
+    }
+    for name in ("reader", "victim"):
+        assert http.delete(f"/v1/functions/{name}", params={"namespace": "team-a"}).status_code == 204
+    assert http.delete("/v1/functions/victim").status_code == 204

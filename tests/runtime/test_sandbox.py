@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import SandboxConfig, abi_version
+from runtime.sandbox import FunctionLayer, SandboxConfig, SandboxError, abi_version
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,6 +150,23 @@ def test_config_from_env_is_validated() -> None:
             SandboxConfig.from_env(bad)
     with pytest.raises(ValueError, match="contradicts"):
         SandboxConfig.from_env({"EMBER_WORKER_SANDBOX": "off", "EMBER_REQUIRE_SANDBOX": "1"})
+
+
+def test_function_layer_without_landlock_follows_the_config(tmp_path: Path) -> None:
+    """A kernel without Landlock: the function layer fails if the sandbox is required, else the
+    worker goes on unconfined (with a warning), as the first layer does."""
+    root = tmp_path / "functions"
+    own = root / "default" / "f"
+    with pytest.raises(SandboxError, match="EMBER_REQUIRE_SANDBOX=1"):
+        FunctionLayer(root, SandboxConfig(required=True), 0, None, 0).restrict(own)
+    assert FunctionLayer(root, SandboxConfig(), 0, None, 0).restrict(own).applied is False
+    off = FunctionLayer(root, SandboxConfig(enabled=False), 0, None, 0).restrict(own)
+    assert off.applied is False and off.reason == "EMBER_WORKER_SANDBOX=off"
+    layer = FunctionLayer(root, SandboxConfig(), 0, None, 0)
+    assert layer.function_dir("team-a", "f") == root / "team-a" / "f"
+    for namespace, name in (("..", "f"), ("default", "a/b"), ("", "f"), ("default", "x" * 64)):
+        with pytest.raises(SandboxError, match="not a namespace and name"):
+            layer.function_dir(namespace, name)
 
 
 WRITER = r"""
