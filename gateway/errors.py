@@ -23,6 +23,7 @@ from scheduler.errors import (
     StateNotWritable,
     StateUnavailable,
 )
+from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
 from scheduler.router import Rejected, StartFailed
 from scheduler.spec import SpecError
 
@@ -52,6 +53,9 @@ ERROR_STATUS: dict[type[Exception], int] = {
     Forbidden: 403,
     FunctionNotFound: 404,
     StateConflict: 409,
+    ServiceConflict: 409,  # the Knative Service's name is another function's (or nobody's)
+    KnativeUnavailable: 503,  # the Kubernetes API cannot be reached
+    KnativeError: 502,  # the Kubernetes API (or a Knative webhook) refused the object
     InvocationError: 502,
     Rejected: 503,
     StartFailed: 503,
