@@ -14,18 +14,21 @@ pools and a warm worker: see :mod:`gateway.health`; it reveals nothing beyond re
 ready per component): the gateway's own key is the admin's, tenant keys see only their
 namespace's functions (:mod:`gateway.tenants`; an admin picks a namespace with
 ``?namespace=``). Request bodies are bounded in size and read time (:mod:`gateway.limits`);
-JSON and YAML are parsed with depth bounds, specs off the event loop.
+JSON and YAML are parsed with depth bounds, specs off the event loop. In cluster mode
+(:func:`gateway.compose.build_cluster`) invocations go to each function's Knative Service
+(:class:`Serving`'s ``router`` is then a :class:`scheduler.knative.targets.ServiceTargets`)
+and deploys and deletes apply the Service too (``Serving.deployments``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,17 +42,18 @@ from gateway.function_code import FunctionCodeConfig
 from gateway.health import Readiness
 from gateway.limits import BodyLimits, DeployLimits, EdgeLimits
 from gateway.metrics import Metrics
-from gateway.proxy import Invoker
+from gateway.proxy import Invoker, Routing
 from gateway.routes.cluster import cluster_routes, health_routes
 from gateway.routes.functions import function_routes
 from gateway.routes.invoke import Invocations, invoke_routes
 from gateway.tenants import Authenticator, Principal, TenantKeys, tenant_routes
-from scheduler.router import Router
+from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState
 
 __all__ = [
     "ERROR_STATUS",
     "HANDLED",
+    "Deployments",
     "GatewayConfig",
     "ModelSourceError",
     "Registrar",
@@ -63,6 +67,24 @@ log = logging.getLogger("ember.gateway")
 # (source, dtype) -> the model's reference as the agent returns it ({id, dir, weight_bytes},
 # decoded by ModelRef.decode); raises ModelSourceError
 Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
+
+
+class Deployments(Protocol):
+    """Cluster mode: each function is also a Knative Service
+    (:class:`scheduler.knative.deployments.KnativeDeployments`). The calls block: routes run
+    them in threads."""
+
+    def check(self, record: FunctionRecord) -> object:
+        """Raise :class:`scheduler.spec.SpecError` if the function cannot be deployed."""
+
+    def apply(self, record: FunctionRecord) -> object:
+        """Create or update the function's objects."""
+
+    def remove(self, function_id: str) -> bool:
+        """Delete the function's objects (whether they were there)."""
+
+    def statuses(self, function_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The ``status.knative`` block of each function, by qualified id (never raises)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +105,7 @@ class Serving:
     """The invocation side of a gateway: model registration, routing, forwarding."""
 
     register: Registrar
-    router: Router
+    router: Routing
     invoker: Invoker
     metrics: Metrics
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(
@@ -92,6 +114,9 @@ class Serving:
     readiness: Readiness | None = None  # /readyz's checks beyond Redis (pools, warm workers)
     # Admin: evict inactive tensors of one model id (None: all) from this node's pools; bytes freed.
     evict: Callable[[str | None], Awaitable[int]] | None = None
+    # Cluster mode: deploys and deletes apply each function's Knative Service; describe and list
+    # show its readiness (a ``status.knative`` block).
+    deployments: Deployments | None = None
 
 
 def create_app(

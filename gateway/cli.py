@@ -41,8 +41,21 @@ def _parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         return client(p)
 
+    gateway = verbs.add_parser(
+        "gateway", help="cluster mode: the gateway over an external Redis, functions as Knative Services"
+    )
+    gateway.add_argument("--host", default=None, help="listen address (EMBER_HOST, default 127.0.0.1)")
+    gateway.add_argument("--port", type=int, default=None, help="listen port (EMBER_PORT, default 8080)")
+    gateway.add_argument("--redis", default=None, help="the cluster's Redis URL (EMBER_REDIS_URL, required)")
     deploy = client(verbs.add_parser("deploy", help="deploy (or update) a function from YAML"))
     deploy.add_argument("-f", "--file", required=True, type=Path)
+    deploy.add_argument(
+        "--target",
+        choices=["gateway", "knative"],
+        default="gateway",
+        help="gateway: send it to the running gateway; knative: print its Knative Service YAML "
+        "(no gateway, no cluster)",
+    )
     invoke = scoped(verbs.add_parser("invoke", help="call a function"))
     invoke.add_argument("name")
     what = invoke.add_mutually_exclusive_group(required=True)
@@ -124,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ember`` console script."""
     args = _parser().parse_args(argv)
     handler = {
-        "serve": _serve, "pool": _pool, "generate": _generate, "worker": _worker, "deploy": _deploy,
-        "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete, "logs": _logs,
-        "status": _status, "tenant": _tenant, "extender": _extender, "node": _node,
+        "serve": _serve, "gateway": _gateway, "pool": _pool, "generate": _generate, "worker": _worker,
+        "deploy": _deploy, "invoke": _invoke, "list": _list, "describe": _describe, "delete": _delete,
+        "logs": _logs, "status": _status, "tenant": _tenant, "extender": _extender, "node": _node,
     }[args.verb]  # fmt: skip
 
     from gateway.client import GatewayError
@@ -169,6 +182,26 @@ def _serve(args: argparse.Namespace) -> int:
         uvloop.run(serve(config))
     except ServeError as exc:
         return _fail("serve", exc)
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.cluster_gateway import SECRETS, ClusterGatewayConfig, run
+
+    try:
+        config = ClusterGatewayConfig.from_env(host=args.host, port=args.port, redis_url=args.redis)
+    except ValueError as exc:
+        return _fail("gateway", exc, 2)
+    from gateway import secret_env
+    from scheduler.errors import SchedulerError
+
+    secret_env.hide(SECRETS)  # read into config: now out of /proc/<pid>/environ
+    import uvloop
+
+    try:
+        uvloop.run(run(config))
+    except SchedulerError as exc:  # Redis or the Kubernetes API cannot be reached at start
+        return _fail("gateway", exc)
     return 0
 
 
@@ -329,6 +362,8 @@ def _deploy(args: argparse.Namespace) -> int:
         document = yaml.safe_load(args.file.read_text())
     except (OSError, yaml.YAMLError) as exc:
         return _fail("deploy", exc, 2)
+    if args.target == "knative":
+        return _print_knative(document)
     try:
         body = with_handler_module(document, args.file)
     except (OSError, ValueError) as exc:
@@ -339,6 +374,31 @@ def _deploy(args: argparse.Namespace) -> int:
     with _client(args) as gw:
         created = gw.call("POST", "/v1/functions", json=body).json()
     print(f"deployed {created['metadata']['name']}")
+    return 0
+
+
+def _print_knative(document: Any) -> int:
+    """The function's Knative Service and token Secret as YAML on stdout (the token left out:
+    the gateway derives it when it deploys); warnings on stderr."""
+    import yaml
+
+    from gateway.compose import knative_manifests
+    from runtime.registry import ember_home
+
+    try:
+        manifests = knative_manifests(document, ember_home())
+    except ValueError as exc:  # SpecError, or a bad EMBER_KNATIVE_* setting
+        return _fail("deploy", exc, 2)
+    rendered = manifests.rendered
+    for note in rendered.notes:
+        print(f"ember deploy: note: {note}", file=sys.stderr)
+    for warning in manifests.warnings:
+        print(f"ember deploy: warning: {warning}", file=sys.stderr)
+    print(yaml.safe_dump(rendered.service, sort_keys=False), end="")
+    print("---")
+    print("# stringData.token is left out: `ember gateway` sets it when it deploys the function")
+    print("# (HMAC-SHA256 of EMBER_CLUSTER_SECRET and the function's qualified id).")
+    print(yaml.safe_dump(rendered.secret, sort_keys=False), end="")
     return 0
 
 
@@ -404,13 +464,19 @@ def _list(args: argparse.Namespace) -> int:
     with _client(args) as gw:
         functions = gw.call("GET", "/v1/functions", params=_ns(args)).json()["functions"]
         cluster = gw.call("GET", "/v1/cluster").json()["functions"]  # admin: by "ns/name"
-    print(f"{'NAME':<24} {'HANDLER':<10} {'MODEL':<48} INSTANCES")
+    knative = any("knative" in (f.get("status") or {}) for f in functions)  # a cluster-mode gateway
+    print(f"{'NAME':<24} {'HANDLER':<10} {'MODEL':<48} " + ("READY  REVISION" if knative else "INSTANCES"))
     for f in functions:
         name = f["metadata"]["name"]
+        handler = "default" if f["spec"]["handler"] == "default" else "custom"
+        line = f"{name:<24} {handler:<10} {f['spec']['model']['source'][:48]:<48}"
+        if knative:
+            service = (f.get("status") or {}).get("knative", {})
+            print(f"{line} {service.get('ready', '-'):<6} {service.get('latestReadyRevisionName', '-')}")
+            continue
         shown = cluster.get(qualified(f["metadata"].get("namespace", "default"), name)) or cluster.get(name)
         live = [i for i in (shown or {}).get("instances", []) if i["state"] in ("starting", "ready")]
-        handler = "default" if f["spec"]["handler"] == "default" else "custom"
-        print(f"{name:<24} {handler:<10} {f['spec']['model']['source'][:48]:<48} {len(live)}")
+        print(f"{line} {len(live)}")
     return 0
 
 

@@ -7,6 +7,11 @@ or external), the node agent (pool daemons + pre-warmed workers), the router and
 loop, the invoker, metrics, readiness and the gateway app. :mod:`gateway.serve` owns what the
 process does with it (the lock on ``EMBER_HOME``, the listening socket, signals, ``serve.json``);
 the ``ember worker`` verb gets its standalone assignment from :func:`standalone_assignment`.
+
+Cluster mode's gateway (``ember gateway``, :mod:`gateway.cluster_gateway`) is built by
+:func:`build_cluster`: the same app over an external Redis, with each function's Knative
+Service in place of the router's instances. :func:`knative_manifests` renders a spec file for
+``ember deploy --target knative`` without a gateway or a cluster.
 """
 
 from __future__ import annotations
@@ -30,15 +35,20 @@ from gateway.proxy import Invoker, ProxyConfig
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from gateway.cluster_gateway import ClusterGatewayConfig
     from gateway.serve import ServeConfig
     from runtime.agent import NodeAgent
     from runtime.messages import AssignMessage
     from runtime.supervisor import SpawnThread
+    from scheduler.knative.deployments import KnativeDeployments
+    from scheduler.knative.render import Rendered
+    from scheduler.records import ModelRef
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
 
 Background = Callable[[], Coroutine[Any, Any, None]]
+EXTENDER_PREFIX = "/extender"  # where ember-scheduler's KubeSchedulerConfiguration points
 
 
 @dataclass
@@ -162,6 +172,133 @@ def _registrar(agent: NodeAgent) -> Registrar:
         return model
 
     return register
+
+
+@dataclass
+class ClusterNode:
+    """Cluster mode's gateway components, wired; :meth:`close` when done."""
+
+    gateway_config: GatewayConfig
+    state: ClusterState
+    deployments: KnativeDeployments
+    invoker: Invoker
+    metrics: Metrics
+    app: FastAPI
+
+    async def close(self) -> None:
+        await self.invoker.close()
+        await asyncio.to_thread(self.deployments.close)
+        self.state.close()
+
+
+def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
+    """Cluster mode's gateway over ``config.redis_url``: deploys and deletes apply Knative
+    Services (:mod:`scheduler.knative`), invocations go to their cluster-local URLs. Call it on
+    the running event loop (the invoker's connection pool belongs to it)."""
+    from gateway.extender import extender_app, extender_for
+    from scheduler.knative.backend import make_backend
+    from scheduler.knative.deployments import KnativeDeployments
+    from scheduler.knative.targets import ServiceTargets
+    from scheduler.state import ClusterState
+
+    gateway_config = GatewayConfig(api_key=config.api_key, limits=EdgeLimits.from_env())
+    backend = make_backend(config.knative)  # no Kubernetes credentials: fail now, not at the first deploy
+    try:
+        state = ClusterState.from_url(config.redis_url)
+    except BaseException:
+        backend.close()
+        raise
+    deployments = KnativeDeployments(config.knative, config.tokens, backend)
+    targets = ServiceTargets(config.knative, config.tokens)
+    metrics = Metrics(devices=state.devices)
+    invoker = Invoker(state, targets, metrics, ProxyConfig(request_timeout_s=config.request_timeout_s))
+    serving = Serving(
+        _store_registrar(config.home),
+        targets,
+        invoker,
+        metrics,
+        readiness=Readiness(state.r.ping),
+        deployments=deployments,
+    )
+    app = create_app(state, gateway_config, serving)
+    # ember-scheduler's extender calls (kube-scheduler sends no API key: a NetworkPolicy keeps
+    # them in the cluster; they reveal only which nodes hold which models).
+    app.mount(EXTENDER_PREFIX, extender_app(extender_for(state), gateway_config.limits, ping=state.r.ping))
+    return ClusterNode(gateway_config, state, deployments, invoker, metrics, app)
+
+
+def _store_registrar(home: Path) -> Registrar:
+    """Cluster mode's model registration: into this process's model store (no agent, no pool)."""
+    from runtime.errors import EmberRuntimeError
+    from runtime.registry import register
+
+    async def registrar(source: str, dtype: str) -> dict[str, Any]:
+        print(f"ember gateway: registering {source} ({dtype})", file=sys.stderr, flush=True)
+        try:
+            model = await asyncio.to_thread(register, source, dtype, home)
+            manifest = await asyncio.to_thread(model.manifest)
+        except (EmberRuntimeError, ValueError, OSError) as exc:
+            raise ModelSourceError(f"spec.model.source: {exc}") from None
+        return {"id": model.model_id, "dir": str(model.directory), "weight_bytes": int(manifest.nbytes)}
+
+    return registrar
+
+
+@dataclass(frozen=True, slots=True)
+class KnativeManifests:
+    """``ember deploy --target knative``'s output: the objects (their ``notes`` say where the
+    rendering differs from the spec) and what to warn about."""
+
+    rendered: Rendered
+    warnings: tuple[str, ...]
+
+
+def knative_manifests(document: Any, home: Path) -> KnativeManifests:
+    """Render a spec document locally: no gateway, no cluster. The model's id and weight bytes
+    come from the local model store when the model is registered there (matched by source and
+    dtype, the newest registration first); otherwise they are left out, with a warning.
+    Raises :class:`scheduler.spec.SpecError` and :class:`ValueError` (bad ``EMBER_KNATIVE_*``)."""
+    from scheduler import names
+    from scheduler.knative.config import KnativeConfig
+    from scheduler.knative.render import render_record
+    from scheduler.records import FunctionRecord
+    from scheduler.spec import parse_function
+
+    spec = parse_function(document)
+    function_id = names.qualified(spec.metadata.namespace, spec.name)
+    model = registered_model(spec.spec.model.source, spec.spec.model.dtype, home)
+    rendered = render_record(
+        FunctionRecord.create(function_id, spec.to_document(), model), KnativeConfig.from_env()
+    )
+    warnings = []
+    if model is None:
+        warnings.append(
+            f"model {spec.spec.model.source} ({spec.spec.model.dtype}) is not registered in {home}: "
+            f"rendered without the ember.dev/model and ember.dev/weight-bytes annotations, so the "
+            f"scheduler extender cannot score residency for this function (deploying through "
+            f"`ember gateway` registers the model and adds them)"
+        )
+    return KnativeManifests(rendered, tuple(warnings))
+
+
+def registered_model(source: str, dtype: str, home: Path) -> ModelRef | None:
+    """The local model store's registration of ``source`` in ``dtype`` (None: not registered)."""
+    from runtime.errors import EmberRuntimeError
+    from runtime.registry import list_models
+    from scheduler.records import ModelRef
+
+    try:
+        candidates = [
+            m
+            for m in list_models(home)
+            if m.record.get("source") == source.strip() and m.record.get("dtype") == dtype
+        ]
+        if not candidates:
+            return None
+        newest = max(candidates, key=lambda m: m.directory.stat().st_mtime)
+        return ModelRef(newest.model_id, str(newest.directory), int(newest.manifest().nbytes))
+    except (EmberRuntimeError, OSError, ValueError):  # an unreadable store: as if not registered
+        return None
 
 
 def _forget_stale_instances(state: ClusterState, devices: list[str]) -> None:

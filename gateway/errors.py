@@ -27,6 +27,7 @@ from scheduler.errors import (
     StateUnavailable,
 )
 from scheduler.extender.wire import ExtenderWireError
+from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
 from scheduler.spec import SpecError
 
 
@@ -59,6 +60,9 @@ ERROR_STATUS: dict[type[Exception], int] = {
     # function is deleted, and clients retry 429s) nor 507 (a policy, not the server's storage).
     FunctionQuotaExceeded: 409,
     StateConflict: 409,
+    ServiceConflict: 409,  # the Knative Service's name is another function's (or nobody's)
+    KnativeUnavailable: 503,  # the Kubernetes API cannot be reached
+    KnativeError: 502,  # the Kubernetes API (or a Knative webhook) refused the object
     InvocationError: 502,
     Rejected: 503,
     StartFailed: 503,

@@ -13,6 +13,8 @@ crashes its worker runs once. Pooled connections idle at most 30 s, less than th
 keep-alive (``runtime.worker.KEEP_ALIVE_S``), so a request is never written to a connection
 the worker already closed. If the worker dies mid-stream the client gets one ``error`` event
 and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released in every case.
+Where a request goes is a :class:`Routing`'s choice: an instance the embedded router runs, or in
+cluster mode the function's Knative Service (its cluster-local URL; Knative picks the pod).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import anyio
@@ -35,13 +37,29 @@ from starlette.responses import Response, StreamingResponse
 from gateway.metrics import Metrics
 from scheduler.errors import FunctionNotFound, SchedulerError
 from scheduler.records import FunctionRecord
-from scheduler.router import Route, Router
+from scheduler.router import Route
 from scheduler.state import ClusterState
 
 WORKER_TOKEN_HEADER = "x-ember-worker-token"  # runtime.worker_guard.TOKEN_HEADER
 POOL_KEEP_ALIVE_S = 30.0  # idle pooled connections: below the worker's keep-alive (75 s)
 # Failures that happen before any byte of the request is sent: safe to route again.
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+class Routing(Protocol):
+    """Where invocations go: :class:`scheduler.router.Router` in embedded mode (instances it
+    starts and scales), :class:`scheduler.knative.targets.ServiceTargets` in cluster mode
+    (each function's Knative Service)."""
+
+    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route: ...
+
+    async def done(
+        self, name: str, route: Route, keep_alive_s: float, service_s: float, reusable: bool = True
+    ) -> None: ...
+
+    async def instance_lost(self, name: str, lost: Route, keep_alive_s: float | None = None) -> bool: ...
+
+    async def retire(self, name: str) -> None: ...
 
 
 class InvocationError(SchedulerError):
@@ -64,7 +82,7 @@ class ProxyConfig:
 class Invoker:
     """The invocation path of the gateway."""
 
-    def __init__(self, state: ClusterState, router: Router, metrics: Metrics, config: ProxyConfig) -> None:
+    def __init__(self, state: ClusterState, router: Routing, metrics: Metrics, config: ProxyConfig) -> None:
         self.state = state
         self.router = router
         self.metrics = metrics

@@ -129,7 +129,7 @@ async def serve(config: ServeConfig) -> None:
     try:
         node = build_embedded(config, api_key)
         await node.start()
-        await _listen(config, node.app, node.gateway_config.limits, api_key)
+        await listen(config.host, config.port, config.home, node.app, node.gateway_config.limits, api_key)
     finally:
         (config.home / "serve.json").unlink(missing_ok=True)
         if node is not None:
@@ -137,16 +137,17 @@ async def serve(config: ServeConfig) -> None:
         lock.close()  # last: the next `ember serve` may start once everything above is down
 
 
-async def _listen(config: ServeConfig, app: Any, limits: EdgeLimits, api_key: str | None) -> None:
-    """Serve ``app`` on ``host:port`` until a signal; ``serve.json`` and the ready line once up."""
+async def listen(host: str, port: int, home: Path, app: Any, limits: EdgeLimits, api_key: str | None) -> None:
+    """Serve ``app`` on ``host:port`` until a signal; ``home/serve.json`` and the ready line once
+    up (``ember serve`` and ``ember gateway``)."""
     # IPPROTO_TCP, not 0: only then does asyncio set TCP_NODELAY on accepted connections;
     # without it every response's second write waits ~40 ms for a delayed ACK (Nagle).
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    sock.bind((host, port))
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}"
     server = _Server(
         server_config(app, limits.headers, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
     )
@@ -159,8 +160,8 @@ async def _listen(config: ServeConfig, app: Any, limits: EdgeLimits, api_key: st
             await task
             return
         await asyncio.sleep(0.01)
-    info = {"event": "ready", "url": url, "api_key": api_key, "home": str(config.home), "pid": os.getpid()}
-    _write_serve_file(config.home, info)
+    info = {"event": "ready", "url": url, "api_key": api_key, "home": str(home), "pid": os.getpid()}
+    _write_serve_file(home, info)
     print(json.dumps(info), flush=True)
     await task
 

@@ -1,5 +1,5 @@
-"""Start ``ember serve`` or ``ember extender`` as a child process and wait until it serves
-(for tools, tests, benchmarks)."""
+"""Start ``ember serve``, ``ember gateway`` or ``ember extender`` as a child process and wait
+until it serves (for tools, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ class ServeError(RuntimeError):
 
 
 class ServeProcess:
-    """``python -m gateway.cli serve --port 0`` with its own ``EMBER_HOME``; ``url`` once ready."""
+    """``python -m gateway.cli VERB --port 0`` (``serve``, or ``gateway`` for cluster mode) with
+    its own ``EMBER_HOME``; ``url`` once ready."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class ServeProcess:
         env: Mapping[str, str] | None = None,
         args: tuple[str, ...] = (),
         timeout: float = 180.0,
+        verb: str = "serve",
     ) -> None:
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
@@ -37,7 +39,7 @@ class ServeProcess:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._log = open(fd, "ab")  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", *args],
+            [sys.executable, "-m", "gateway.cli", verb, "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=full_env,
@@ -47,7 +49,7 @@ class ServeProcess:
         if not line:
             self.stop()
             tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise ServeError(f"ember serve did not become ready:\n{tail}")
+            raise ServeError(f"ember {verb} did not become ready:\n{tail}")
         self.ready: dict[str, Any] = json.loads(line)
         self.url: str = self.ready["url"]
         self.api_key: str | None = self.ready.get("api_key")

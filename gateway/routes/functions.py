@@ -7,6 +7,13 @@ deploy of a new one beyond it is 409 ``function_quota_exceeded``. Specs are pars
 validated off the event loop (CPU work for large bodies); handlers that only read Redis are
 plain functions, which FastAPI runs in its thread pool, so a Redis restart (retried for
 seconds) never stalls the event loop and its streams.
+
+In cluster mode (``serving.deployments``) a function is also a Knative Service: a deploy
+checks that Knative can express the spec before storing it, stores it (workers read it from
+Redis when they start), then creates or updates the Service; if that fails, the previous
+record is put back (or the new one removed) and the failure is answered. A delete removes
+the Service first, then the record (a failed delete can be retried); describe and list add
+each function's ``status.knative`` (its Service's readiness).
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ def function_routes(
         # A full namespace is refused before the handler is stored and the model registered;
         # put_function below checks again, atomically (concurrent deploys).
         await asyncio.to_thread(state.check_room, function_id, cap)
+        deployments = serving.deployments if serving is not None else None
+        if deployments is not None:  # a spec Knative cannot express: 400 before anything is stored
+            await asyncio.to_thread(deployments.check, FunctionRecord.create(function_id, spec.to_document()))
         handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
         model = None
         if serving is not None:
@@ -65,6 +75,13 @@ def function_routes(
         except FunctionNotFound:
             previous = None
         await asyncio.to_thread(state.put_function, function_id, document, model, cap)
+        if deployments is not None:
+            record = FunctionRecord.create(function_id, document, model)
+            try:
+                await asyncio.to_thread(deployments.apply, record)
+            except Exception:  # a deploy whose Service could not be applied changes nothing
+                await asyncio.to_thread(_restore, state, function_id, previous)
+                raise
         if serving is not None:
             serving.invoker.forget(function_id)
             if previous is not None and (previous.spec, previous.model) != (document, model):
@@ -75,17 +92,29 @@ def function_routes(
         scope = who.scope(namespace)
         return {i: f for i, f in state.list_functions().items() if names.split(i)[0] == scope}
 
+    def with_status(documents: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The documents, with ``status.knative`` in cluster mode (copies: the stored
+        documents are never changed)."""
+        if serving is None or serving.deployments is None or not documents:
+            return list(documents.values())
+        statuses = serving.deployments.statuses(list(documents))
+        return [{**doc, "status": {"knative": statuses[i]}} for i, doc in documents.items()]
+
     @router.get("/v1/functions")
     def list_functions(who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
-        return {"functions": list(in_namespace(who, namespace).values())}
+        return {"functions": with_status(in_namespace(who, namespace))}
 
     @router.get("/v1/functions/{name}")
     def describe(name: str, who: Principal = caller, namespace: str | None = None) -> dict[str, Any]:
-        return state.get_function(who.function(name, namespace))
+        function_id = who.function(name, namespace)
+        return with_status({function_id: state.get_function(function_id)})[0]
 
     @router.delete("/v1/functions/{name}", status_code=204)
     async def delete(name: str, who: Principal = caller, namespace: str | None = None) -> Response:
         name = who.function(name, namespace)
+        if serving is not None and serving.deployments is not None:
+            await asyncio.to_thread(state.function, name)  # 404 for unknown functions, before the API
+            await asyncio.to_thread(serving.deployments.remove, name)
         await asyncio.to_thread(state.delete_function, name)
         if config.code is not None:
             await asyncio.to_thread(config.code.remove, name)
@@ -120,6 +149,14 @@ def function_routes(
         return {"object": "list", "data": data}
 
     return router
+
+
+def _restore(state: ClusterState, function_id: str, previous: FunctionRecord | None) -> None:
+    """Put back the record a failed deploy replaced (none: remove the new one)."""
+    if previous is None:
+        state.delete_function(function_id)
+    else:
+        state.put_function(function_id, previous.spec, previous.model)
 
 
 def _parse_spec(raw: str, content_type: str) -> tuple[FunctionSpec, dict[str, str]]:

@@ -1,0 +1,204 @@
+"""The Knative backends without a cluster (there is no kube-apiserver here).
+
+The Kubernetes backend's pure part is tested on real-shaped API objects: the request each
+apply would send (:func:`plan`) and how API failures map to Ember's errors (with the
+client's own exception types). Its calls are exercised only as far as a machine without a
+cluster allows: credentials missing, and an API address where nothing listens. The manifest
+directory backend (``EMBER_KNATIVE_APPLY=dir:``) is tested in full, through
+:class:`KnativeDeployments` as the gateway calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import MaxRetryError, NewConnectionError
+
+from scheduler import cluster_keys
+from scheduler.knative.backend import DirectoryBackend, make_backend
+from scheduler.knative.config import KnativeConfig
+from scheduler.knative.deployments import KnativeDeployments
+from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
+from scheduler.knative.kube import KubernetesBackend, api_error, plan
+from scheduler.knative.render import render_record
+from scheduler.knative.tokens import WorkerTokens
+from scheduler.records import FunctionRecord, ModelRef
+from tests.scheduler.test_knative_render import record
+from tests.scheduler.test_knative_status import READY_SERVICE
+
+TOKENS = WorkerTokens(b"k" * 48)
+FUNCTION_ID = "smollm2-chat"
+
+
+def desired() -> dict[str, Any]:
+    return render_record(record(), KnativeConfig()).service
+
+
+def live(**metadata: Any) -> dict[str, Any]:
+    """The Service as the API returns it (Knative's annotations, a resourceVersion, status)."""
+    obj = json.loads(json.dumps(READY_SERVICE))
+    obj["metadata"].update(metadata)
+    return obj
+
+
+def test_a_new_object_is_created_as_rendered() -> None:
+    step = plan(None, desired(), FUNCTION_ID, "Service smollm2-chat")
+    assert (step.verb, step.body) == ("create", desired())
+
+
+def test_an_update_replaces_the_spec_and_keeps_knative_metadata() -> None:
+    existing = live()
+    existing["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = "{}"
+    existing["metadata"]["labels"]["team.example/owner"] = "ml"
+    existing["metadata"]["labels"]["ember.dev/retired"] = "x"  # an Ember key the rendering dropped
+    step = plan(existing, desired(), FUNCTION_ID, "Service smollm2-chat")
+    assert step.verb == "replace"
+    meta = step.body["metadata"]
+    assert meta["resourceVersion"] == "184467"  # a concurrent writer makes the replace a 409
+    # Knative's webhook rejects an update that changes serving.knative.dev/creator.
+    assert meta["annotations"]["serving.knative.dev/creator"] == "system:serviceaccount:ember:ember-gateway"
+    assert meta["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] == "{}"
+    assert meta["labels"]["team.example/owner"] == "ml"
+    assert "ember.dev/retired" not in meta["labels"]
+    ours = {k: v for k, v in meta["labels"].items() if k != "team.example/owner"}
+    assert ours == desired()["metadata"]["labels"]
+    assert step.body["spec"] == desired()["spec"]  # Ember's, whole
+    assert "status" not in step.body
+
+
+@pytest.mark.parametrize("owner", ["team-a/other", None])
+def test_an_object_of_another_function_or_of_nobody_is_never_replaced(owner: str | None) -> None:
+    existing = live()
+    if owner is None:
+        del existing["metadata"]["annotations"][cluster_keys.ANNOTATION_FUNCTION_ID]
+    else:
+        existing["metadata"]["annotations"][cluster_keys.ANNOTATION_FUNCTION_ID] = owner
+    with pytest.raises(ServiceConflict, match="left untouched"):
+        plan(existing, desired(), FUNCTION_ID, "Service smollm2-chat")
+
+
+def api_exception(status: int, body: dict[str, Any] | None = None, reason: str = "") -> ApiException:
+    exc = ApiException(status=status, reason=reason)
+    exc.body = json.dumps(body) if body is not None else None
+    return exc
+
+
+def test_api_failures_map_to_ember_errors() -> None:
+    webhook = (
+        'admission webhook "validation.webhook.serving.knative.dev" denied the request: validation failed: '
+        "expected 0 <= 900 <= 600: spec.template.spec.timeoutSeconds"
+    )
+    status_body = {"kind": "Status", "message": webhook}
+    denied = api_error(api_exception(400, status_body, "Bad Request"), "create Service x")
+    assert type(denied) is KnativeError and webhook in str(denied)
+    forbidden = api_error(api_exception(403, {"message": "services.serving.knative.dev is forbidden"}), "get")
+    assert type(forbidden) is KnativeError and "credentials" in str(forbidden)
+    assert isinstance(api_error(api_exception(409, reason="Conflict"), "replace"), ServiceConflict)
+    assert isinstance(api_error(api_exception(503, reason="Service Unavailable"), "get"), KnativeUnavailable)
+    assert isinstance(api_error(ApiException(status=0, reason="connection reset"), "get"), KnativeUnavailable)
+    refused = MaxRetryError(None, "/apis", NewConnectionError(None, "Connection refused"))  # type: ignore[arg-type]
+    assert isinstance(api_error(refused, "get"), KnativeUnavailable)
+    huge = api_error(api_exception(422, {"message": "m" * 100_000}), "create")
+    assert len(str(huge)) < 2000
+
+
+def test_without_credentials_the_kubernetes_backend_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    with pytest.raises(KnativeUnavailable, match="no Kubernetes credentials"):
+        make_backend(KnativeConfig())
+
+
+def test_an_api_where_nothing_listens_is_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "none", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "none", "user": "u"}}],
+        "current-context": "c",
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    backend = make_backend(KnativeConfig())
+    assert isinstance(backend, KubernetesBackend)
+    deployments = KnativeDeployments(KnativeConfig(), TOKENS, backend)
+    try:
+        with pytest.raises(KnativeUnavailable, match="cannot be reached"):
+            deployments.apply(record())
+        with pytest.raises(KnativeUnavailable):
+            deployments.remove(FUNCTION_ID)
+        shown = deployments.status(FUNCTION_ID)  # describe still answers
+        assert (shown["ready"], shown["reason"]) == ("Unknown", "StatusUnavailable")
+    finally:
+        deployments.close()
+
+
+def directory(tmp_path: Path) -> tuple[KnativeDeployments, DirectoryBackend]:
+    config = KnativeConfig(apply_dir=tmp_path / "manifests")
+    backend = make_backend(config)
+    assert isinstance(backend, DirectoryBackend)
+    return KnativeDeployments(config, TOKENS, backend), backend
+
+
+def test_the_directory_backend_writes_what_a_gitops_tool_applies(tmp_path: Path) -> None:
+    deployments, backend = directory(tmp_path)
+    deployments.apply(record())
+    service_path, secret_path = backend.paths("smollm2-chat")
+    assert yaml.safe_load(service_path.read_text()) == desired()
+    secret = yaml.safe_load(secret_path.read_text())
+    assert secret["stringData"] == {"token": TOKENS.token(FUNCTION_ID)}
+    assert stat.S_IMODE(secret_path.stat().st_mode) == 0o600  # the token
+    assert not list(service_path.parent.glob(".*.tmp"))
+    shown = deployments.status(FUNCTION_ID)
+    assert (shown["found"], shown["ready"], shown["reason"]) == (True, "Unknown", "NoCluster")
+
+    model = ModelRef("other-model", "/m", 7)
+    deployments.apply(FunctionRecord.create(FUNCTION_ID, record().spec, model))  # a redeploy updates
+    annotations = yaml.safe_load(service_path.read_text())["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[cluster_keys.ANNOTATION_MODEL] == "other-model"
+
+    assert deployments.remove(FUNCTION_ID) is True
+    assert not service_path.exists() and not secret_path.exists()
+    assert deployments.remove(FUNCTION_ID) is False
+    assert deployments.status(FUNCTION_ID)["reason"] == "NotFound"
+
+
+def test_the_directory_backend_leaves_other_owners_files_alone(tmp_path: Path) -> None:
+    deployments, backend = directory(tmp_path)
+    theirs = render_record(record(name="chat", namespace="team"), KnativeConfig()).service
+    theirs["metadata"]["annotations"][cluster_keys.ANNOTATION_FUNCTION_ID] = "someone-else"
+    backend.directory.mkdir()
+    path = backend.paths("team--chat")[0]
+    path.write_text(yaml.safe_dump(theirs))
+    with pytest.raises(ServiceConflict, match="someone-else"):
+        deployments.apply(record(name="chat", namespace="team"))
+    with pytest.raises(ServiceConflict):
+        deployments.remove("team/chat")
+    assert yaml.safe_load(path.read_text()) == theirs
+    assert not backend.paths("team--chat")[1].exists()  # no Secret written either
+    path.write_bytes(b"x" * (2 << 20))
+    with pytest.raises(KnativeError, match="larger than"):
+        deployments.apply(record(name="chat", namespace="team"))
+
+
+def test_statuses_of_many_functions_at_once(tmp_path: Path) -> None:
+    deployments, _ = directory(tmp_path)
+    deployments.apply(record(name="a"))
+    shown = deployments.statuses(["a", "b", "x--y"])
+    assert shown["a"]["reason"] == "NoCluster"
+    assert shown["b"]["reason"] == "NotFound"
+    assert shown["x--y"]["reason"] == "NotRenderable"  # deployed before cluster mode, say
