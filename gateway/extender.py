@@ -63,7 +63,7 @@ _THREAD_PARSE_BYTES = 256 << 10  # bodies above this are parsed off the event lo
 def extender_for(state: ClusterState, config: ExtenderConfig | None = None) -> Extender:
     """The extender over ``state``'s device reports (cached for ``config.cache_s``)."""
     config = config or ExtenderConfig()
-    return Extender(ResidencyCache(state.device_reports, config.cache_s), config)
+    return Extender(ResidencyCache(state.device_reports_or_errors, config.cache_s), config)
 
 
 def extender_app(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from scheduler.extender.policies import PoolView, Residency
-from scheduler.records import DeviceReport
+from scheduler.records import DeviceReport, RecordError
 
 
 def pool_view(report: DeviceReport) -> PoolView:
@@ -51,11 +51,15 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
-def residency_of(reports: Mapping[str, DeviceReport]) -> Residency:
-    """Every report as a :class:`PoolView`; the malformed ones set aside with the reason."""
+def residency_of(reports: Mapping[str, DeviceReport | RecordError]) -> Residency:
+    """Every report as a :class:`PoolView`; the malformed ones (already when decoded, a
+    :class:`RecordError`, or in their placement inputs) set aside with the reason."""
     pools: dict[str, PoolView] = {}
     malformed: dict[str, str] = {}
     for device_id, report in reports.items():
+        if isinstance(report, RecordError):
+            malformed[device_id] = str(report)[:200]
+            continue
         try:
             pools[device_id] = pool_view(report)
         except ValueError as exc:
@@ -64,11 +68,11 @@ def residency_of(reports: Mapping[str, DeviceReport]) -> Residency:
 
 
 class ResidencyCache:
-    """:func:`residency_of` over ``read()`` (e.g. ``ClusterState.device_reports``), cached."""
+    """:func:`residency_of` over ``read()`` (e.g. ``ClusterState.device_reports_or_errors``), cached."""
 
     def __init__(
         self,
-        read: Callable[[], Mapping[str, DeviceReport]],
+        read: Callable[[], Mapping[str, DeviceReport | RecordError]],
         ttl_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -86,6 +86,12 @@ def test_bad_requests_get_json_errors(extender: ExtenderProcess) -> None:
             (http.post("/prioritize", content=b" " * 70000), 413, "request_too_large"),
             (http.get("/filter"), 405, "method_not_allowed"),
             (http.post("/bind", json={}), 404, "not_found"),
+            # Regression: a lone surrogate in a node name failed to encode in the answer (500).
+            (
+                http.post("/filter", content=b'{"Pod": {"metadata": {}}, "NodeNames": ["\\ud800"]}'),
+                400,
+                "invalid_extender_args",
+            ),
         ]
         for response, status, kind in cases:
             assert response.status_code == status, response.text
@@ -110,6 +116,22 @@ def test_sigterm_stops_it_cleanly_and_bad_settings_exit_2(extender: ExtenderProc
         ExtenderServeConfig(redis_url="")
     with pytest.raises(ValueError, match="prefix"):
         ExtenderServeConfig(redis_url="redis://x", prefix="extender/")
+
+
+def test_one_malformed_device_report_does_not_fail_every_placement(
+    extender: ExtenderProcess, state: ClusterState
+) -> None:
+    """Regression: a report that is not JSON, or holds Infinity, failed the whole read (500 or
+    409 for every pod); now only its node is unresolvable and the others are judged."""
+    state.r.set(f"{state.p}device:junk/cpu", "not json")
+    state.r.set(f"{state.p}device:inf/cpu", '{"v": 1, "free_bytes": 1e999, "updated": 0}')
+    with httpx.Client(base_url=extender.url, timeout=10) as http:
+        out = http.post("/filter", json=args(["warm", "junk", "inf"]))
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["NodeNames"] == ["warm"]
+    assert "not a JSON document" in body["FailedAndUnresolvableNodes"]["junk"]
+    assert "free_bytes" in body["FailedAndUnresolvableNodes"]["inf"]
 
 
 def test_mounted_in_the_gateway_app(state: ClusterState) -> None:
