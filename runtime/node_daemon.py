@@ -192,15 +192,31 @@ class NodeDaemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Report every ``report_interval_s`` until ``stop`` is set. A failing report (Redis
-        away) is logged and retried at the next tick: the pool keeps serving pods meanwhile."""
+        away) is logged and retried at the next tick: the pool keeps serving pods meanwhile.
+
+        Model registration runs as its own task: converting a large model (or reading a slow
+        source) takes minutes, and reports held back that long would outlive the extender's
+        report TTL and filter this node out while its pool serves."""
+        syncing = asyncio.create_task(self._sync_loop(stop), name="ember-node-sync-models")
+        try:
+            while not stop.is_set():
+                try:
+                    await self.report_once()
+                except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
+                    log.warning("residency report failed: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
+        finally:
+            syncing.cancel()  # a registration thread in flight finishes alone (temporaries are reaped)
+            with contextlib.suppress(asyncio.CancelledError):
+                await syncing
+
+    async def _sync_loop(self, stop: asyncio.Event) -> None:
+        """:meth:`sync_models` every ``report_interval_s`` (after the previous one finished)."""
         while not stop.is_set():
             try:
-                await self.report_once()
-            except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
-                log.warning("residency report failed: %s", exc)
-            try:
                 await self.sync_models()
-            except Exception as exc:  # Redis away: the next tick tries again
+            except Exception as exc:  # Redis away: the next round tries again
                 log.warning("reading the deployed functions failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
