@@ -198,6 +198,12 @@ class ClusterState:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
         except redis.exceptions.ResponseError as exc:
             raise _typed(exc) from None
+        except redis.exceptions.InvalidResponse as exc:
+            # The URL names something that is not Redis (an HTTP service, say): the store is
+            # unreachable all the same, not a bug to answer with a traceback or a 500.
+            raise StateUnavailable(
+                f"Redis is unreachable: the server at its URL is not Redis ({exc})"
+            ) from None
 
     # ----- functions ---------------------------------------------------------------------
 
@@ -313,6 +319,12 @@ class ClusterState:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
         except redis.exceptions.ResponseError as exc:
             raise _typed(exc) from None
+        except redis.exceptions.InvalidResponse as exc:
+            # The URL names something that is not Redis (an HTTP service, say): the store is
+            # unreachable all the same, not a bug to answer with a traceback or a 500.
+            raise StateUnavailable(
+                f"Redis is unreachable: the server at its URL is not Redis ({exc})"
+            ) from None
 
     def acquire(self, function: str, concurrency: int, retry: bool = True) -> tuple[str, str] | None:
         """Route one request: (instance id, url) of the least loaded ready instance, or None."""
