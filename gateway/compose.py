@@ -483,8 +483,14 @@ def _openwhisk_assignment(
     document = parse_function_yaml(text).to_document()
     body = document["spec"]
     module, _, function = body["handler"].rpartition(":")
-    if module and not Path(module).is_absolute():  # relative: a module of the image's function code
-        body["handler"] = f"{home / 'functions' / module}:{function}"
+    if module:  # a module of the image's function code, relative to its functions directory
+        functions = home / "functions"
+        path = Path(module) if Path(module).is_absolute() else functions / module
+        # /init's spec is the action creator's, not the image's: it must not load any other
+        # Python file the image holds (a "../" or an absolute path) as the action's code.
+        if not path.resolve().is_relative_to(functions.resolve()):
+            raise ValueError(f"handler {module!r} is not a module under the image's {functions}")
+        body["handler"] = f"{path}:{function}"
     model = register(body["model"]["source"], body["model"]["dtype"], home=home)
     deadline = time.time() + INIT_TIMEOUT_S
     instance_id = value.name or "openwhisk"

@@ -8,12 +8,13 @@ activation (the action interface of its runtimes, ``apache/openwhisk`` ``docs/ac
   YAML or JSON text (what ``wsk action create NAME function.yaml --docker IMAGE`` sends;
   without it the composition root may fall back to a spec baked into the image).
   ``value.env`` (optional, a mapping) is set in ``os.environ`` for the action's code, except
-  ``EMBER_*`` names (the container's own settings, not the action's) and ``__OW_*`` ones
-  (an activation's). ``value.binary`` must be false (a zip is no spec); ``value.main`` is
-  ignored. The worker then registers the spec's model and attaches to a pool (the
-  composition root's ``prepare``) and builds its engine; 200 ``{"ok": true}``. A failed
-  init may be retried; once one succeeded, another ``/init`` is refused with 403, as
-  OpenWhisk's own runtimes do.
+  ``EMBER_*`` names (the container's own settings, not the action's), ``__OW_*`` ones
+  (an activation's) and those that change what the process loads or runs (``LD_*``,
+  ``GLIBC_*``, ``MALLOC_*``, ``PYTHON*``, ``PATH``, ``HOME``, ``TMPDIR``, ...).
+  ``value.binary`` must be false (a zip is no spec); ``value.main`` is ignored. The worker
+  then registers the spec's model and attaches to a pool (the composition root's
+  ``prepare``) and builds its engine; 200 ``{"ok": true}``. A failed init may be retried;
+  once one succeeded, another ``/init`` is refused with 403, as OpenWhisk's own runtimes do.
 * ``/run`` body ``{"value": PARAMS, "namespace", "action_name", "activation_id",
   "deadline", ...}``. Every field but ``value`` becomes ``__OW_<FIELD>`` in ``os.environ``
   for the activation (and in the handler's ``context.env``); ``deadline`` (epoch
@@ -70,6 +71,10 @@ MAX_CODE_CHARS = 1 << 20  # a spec document is a few KiB
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _RESERVED_ENV = ("EMBER_", "__OW_")
+# Variables that change what this process and its children load or run (the dynamic loader,
+# glibc, the interpreter, the executable search path): the container's, not the action's.
+_LOADER_ENV = ("LD_", "GLIBC_", "MALLOC_", "PYTHON")
+_LOADER_NAMES = frozenset({"PATH", "HOME", "TMPDIR", "SHELL", "IFS", "ENV", "BASH_ENV"})
 
 log = logging.getLogger("ember.openwhisk")
 
@@ -126,7 +131,12 @@ class InitValue:
             raise ActionError(400, f"value.env must be a mapping of at most {MAX_ENV} variables")
         variables = {}
         for key, item in env.items():
-            if not _ENV_NAME.match(key) or key.upper().startswith(_RESERVED_ENV):
+            upper = key.upper()
+            if (
+                not _ENV_NAME.match(key)
+                or upper.startswith(_RESERVED_ENV + _LOADER_ENV)
+                or upper in _LOADER_NAMES
+            ):
                 raise ActionError(400, f"value.env: {key[:64]!r} is not a name an action may set")
             variables[key] = _text(item, f"value.env.{key}")
         name = value.get("name")

@@ -73,6 +73,12 @@ def test_init_value_carries_the_spec_and_environment() -> None:
         (b'{"value": {"env": {"__OW_API_KEY": "x"}}}', "__OW_API_KEY"),
         (b'{"value": {"env": {"A=B": "x"}}}', "A=B"),
         (b'{"value": {"env": {"A": "\\u0000"}}}', "NUL"),
+        # Regressions: what the process and its children load or run is not the action's to set.
+        (b'{"value": {"env": {"LD_PRELOAD": "/tmp/x.so"}}}', "LD_PRELOAD"),
+        (b'{"value": {"env": {"PYTHONPATH": "/tmp"}}}', "PYTHONPATH"),
+        (b'{"value": {"env": {"PATH": "/tmp"}}}', "PATH"),
+        (b'{"value": {"env": {"GLIBC_TUNABLES": "x"}}}', "GLIBC_TUNABLES"),
+        (b'{"value": {"env": {"ld_library_path": "/tmp"}}}', "ld_library_path"),
     ],
 )
 def test_bad_init_bodies_are_400s(body: bytes, needle: str) -> None:
