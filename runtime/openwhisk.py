@@ -18,7 +18,8 @@ activation (the action interface of its runtimes, ``apache/openwhisk`` ``docs/ac
 * ``/run`` body ``{"value": PARAMS, "namespace", "action_name", "activation_id",
   "deadline", ...}``. Every field but ``value`` becomes ``__OW_<FIELD>`` in ``os.environ``
   for the activation (and in the handler's ``context.env``); ``deadline`` (epoch
-  milliseconds) is the handler's ``context.remaining_time()``. ``PARAMS`` is the event: for
+  milliseconds) is the handler's ``context.remaining_time()``, and an activation whose
+  deadline has passed when its turn comes is refused (400) without running. ``PARAMS`` is the event: for
   the default handler a chat (``messages``) or completion (``prompt``) request, answered
   with the OpenAI JSON body (no streaming: an activation's result is one JSON object); for a
   custom handler the handler's result, which must be a JSON object (an async generator's
@@ -175,6 +176,10 @@ class Activation:
             if not math.isfinite(millis) or millis <= 0:
                 raise ActionError(400, "deadline must be epoch milliseconds")
             deadline = millis / 1000.0
+            if deadline <= now:
+                # Passed already (or while it waited for the activation before it): the invoker
+                # has given up on it, so the engine's time goes to the next one instead.
+                raise ActionError(400, f"the activation's deadline passed {now - deadline:.3f} s ago")
         activation_id = env.get("__OW_ACTIVATION_ID") or uuid.uuid4().hex
         return cls(params, env, activation_id, deadline)
 

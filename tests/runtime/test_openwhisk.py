@@ -102,6 +102,10 @@ def test_run_fields_become_the_activation_environment() -> None:
         with pytest.raises(ActionError) as info:
             Activation.from_body(bad, now=1.0)
         assert info.value.status == 400
+    # Regression: a deadline already past ran the activation anyway (its result unwanted).
+    with pytest.raises(ActionError, match="deadline passed") as info:
+        Activation.from_body(json.dumps(body).encode(), now=1700000001.0)
+    assert info.value.status == 400
 
 
 def test_failed_inits_can_be_retried_and_bodies_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
