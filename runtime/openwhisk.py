@@ -225,7 +225,13 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 async def _init(action: ActionState, raw: bytes, prepare: Prepare) -> dict[str, Any]:
     value = InitValue.from_body(raw)
-    os.environ.update(value.env)
+    with _environment(value.env):  # undone if this /init fails: a retry brings its own
+        result = await _initialize(action, value, prepare)
+    os.environ.update(value.env)  # the action's, for every activation from now on
+    return result
+
+
+async def _initialize(action: ActionState, value: InitValue, prepare: Prepare) -> dict[str, Any]:
     try:
         message = await asyncio.to_thread(prepare, value)
     except (EmberRuntimeError, ValueError, OSError, KeyError) as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import threading
 import time
@@ -120,8 +121,9 @@ def test_failed_inits_can_be_retried_and_bodies_are_bounded(capsys: pytest.Captu
     action = ActionState()
     with TestClient(BodyLimit(build_openwhisk_app(action, prepare), 4096)) as http:
         for _ in range(2):  # a failed /init is not "initialized": the invoker may try again
-            failed = http.post("/init", json={"value": {"code": "spec"}})
+            failed = http.post("/init", json={"value": {"code": "spec", "env": {"OW_PROBE_VAR": "1"}}})
             assert failed.status_code == 502 and "no model for 'spec'" in failed.json()["error"]
+            assert "OW_PROBE_VAR" not in os.environ  # regression: a failed /init's env stayed
         assert not action.initialized
         assert http.post("/init", content=b"[]").status_code == 400
         assert http.post("/run", json={"value": {}}).status_code == 502  # not initialized
