@@ -223,7 +223,8 @@ def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
     app = create_app(state, gateway_config, serving)
     # ember-scheduler's extender calls (kube-scheduler sends no API key: a NetworkPolicy keeps
     # them in the cluster; they reveal only which nodes hold which models).
-    app.mount(EXTENDER_PREFIX, extender_app(extender_for(state), gateway_config.limits, ping=state.r.ping))
+    extender = extender_for(state, config.extender)
+    app.mount(EXTENDER_PREFIX, extender_app(extender, gateway_config.limits, ping=state.r.ping))
     return ClusterNode(gateway_config, state, deployments, invoker, metrics, app)
 
 
