@@ -389,16 +389,19 @@ class ClusterState:
         are left out (:meth:`device_reports_or_errors` says why)."""
         return {k: v for k, v in self.device_reports_or_errors().items() if isinstance(v, DeviceReport)}
 
-    def device_reports_or_errors(self) -> dict[str, DeviceReport | RecordError]:
+    def device_reports_or_errors(self, retry: bool = True) -> dict[str, DeviceReport | RecordError]:
         """Every device's latest report, by device id (sorted), or the :class:`RecordError`
-        its document raised: one node's malformed report must not hide every other node's."""
+        its document raised: one node's malformed report must not hide every other node's.
+        ``retry=False``: one attempt, :class:`StateUnavailable` at once when Redis is away."""
         pattern = f"{self.p}device:*"
         # Two round trips whatever the device count (the scheduler extender reads every report
         # per placement): one SCAN page of up to 1000 keys at a time, then one MGET.
-        keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)))
+        keys: list[str] = self._once_or_retry(
+            lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)), retry
+        )
         if not keys:
             return {}
-        values: list[str | None] = self._call(functools.partial(self.r.mget, keys))
+        values: list[str | None] = self._once_or_retry(functools.partial(self.r.mget, keys), retry)
         out: dict[str, DeviceReport | RecordError] = {}
         for k, raw in zip(keys, values, strict=True):
             if raw is not None:  # deleted between the SCAN and the MGET

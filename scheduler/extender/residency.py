@@ -67,6 +67,9 @@ def residency_of(reports: Mapping[str, DeviceReport | RecordError]) -> Residency
     return Residency(pools, malformed)
 
 
+_MIN_FAILED_S = 0.5  # how long a failed read answers for the calls after it, at least
+
+
 class ResidencyCache:
     """:func:`residency_of` over ``read()`` (e.g. ``ClusterState.device_reports_or_errors``), cached."""
 
@@ -82,6 +85,7 @@ class ResidencyCache:
         self.ttl_s = ttl_s
         self._clock = clock
         self._cached: tuple[float, Residency] | None = None  # (read at, residency)
+        self._failed: tuple[float, Exception] | None = None  # (read at, why): the last read failed
         self._lock = asyncio.Lock()
         self.reads = 0  # reads from the source (tests and the bench check the cache with it)
 
@@ -90,8 +94,16 @@ class ResidencyCache:
             return self._cached[1]
         return None
 
+    def _failing(self) -> Exception | None:
+        if self._failed is not None and self._clock() - self._failed[0] < max(self.ttl_s, _MIN_FAILED_S):
+            return self._failed[1]
+        return None
+
     async def get(self) -> Residency:
-        """The residency, read again when the cached read is ``ttl_s`` old."""
+        """The residency, read again when the cached read is ``ttl_s`` old. A failed read
+        fails the calls of the next ``ttl_s`` (at least 0.5 s) alike, without reading again:
+        while Redis is away, calls queued behind the lock would otherwise each wait for a
+        read of their own, one after another, long after kube-scheduler stopped waiting."""
         cached = self._fresh()
         if cached is not None:
             return cached
@@ -99,9 +111,17 @@ class ResidencyCache:
             cached = self._fresh()
             if cached is not None:
                 return cached
+            failing = self._failing()
+            if failing is not None:
+                raise failing
             started = self._clock()
-            reports = await asyncio.to_thread(self._read)
+            try:
+                reports = await asyncio.to_thread(self._read)
+            except Exception as exc:
+                self._failed = (started, exc)
+                raise
             self.reads += 1
+            self._failed = None
             residency = residency_of(reports)
             self._cached = (started, residency)  # its age counts from before the read
             return residency

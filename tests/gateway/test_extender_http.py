@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from gateway.extender import ExtenderServeConfig, extender_app, extender_for
 from gateway.limits import EdgeLimits
 from gateway.spawn import ExtenderProcess
 from scheduler import cluster_keys
+from scheduler.errors import StateUnavailable
 from scheduler.extender.service import ExtenderConfig
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
@@ -132,6 +134,19 @@ def test_one_malformed_device_report_does_not_fail_every_placement(
     assert body["NodeNames"] == ["warm"]
     assert "not a JSON document" in body["FailedAndUnresolvableNodes"]["junk"]
     assert "free_bytes" in body["FailedAndUnresolvableNodes"]["inf"]
+
+
+def test_the_extender_answers_at_once_when_redis_is_away(
+    redis_server: EmbeddedRedis, state: ClusterState
+) -> None:
+    """Regression: its read retried for the state's 10 s, beyond kube-scheduler's httpTimeout
+    (2 s as shipped), in every pod's scheduling cycle."""
+    extender = extender_for(state, ExtenderConfig(cache_s=0.0))
+    redis_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(StateUnavailable):
+        asyncio.run(extender.filter(args(["a"])))
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_mounted_in_the_gateway_app(state: ClusterState) -> None:
