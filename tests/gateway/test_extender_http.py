@@ -114,6 +114,18 @@ def test_sigterm_stops_it_cleanly_and_bad_settings_exit_2(extender: ExtenderProc
         check=False,
     )
     assert bad.returncode == 2 and "EMBER_EXTENDER_REPORT_TTL" in bad.stderr
+    # Regression: an address it cannot listen on was a traceback.
+    unbound = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "extender", "--redis", "redis://x:1", "--port", "0"],
+        env={"EMBER_HOST": "999.1.1.1", "PATH": "/usr/bin"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert unbound.returncode == 1 and "cannot listen on 999.1.1.1" in unbound.stderr
+    assert "Traceback" not in unbound.stderr
     with pytest.raises(ValueError, match="Redis URL"):
         ExtenderServeConfig(redis_url="")
     with pytest.raises(ValueError, match="prefix"):
