@@ -242,7 +242,10 @@ def _extender(args: argparse.Namespace) -> int:
     log_decisions()
     import uvloop
 
-    uvloop.run(serve_extender(config))
+    try:
+        uvloop.run(serve_extender(config))
+    except OSError as exc:  # cannot listen there (no such address, port taken): say so, no traceback
+        return _fail("extender", OSError(f"cannot listen on {config.host}:{config.port}: {exc}"), 1)
     return 0
 
 

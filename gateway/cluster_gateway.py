@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.redis_auth import PASSWORD_ENV, with_password
+from scheduler.extender.service import ExtenderConfig
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.tokens import SECRET_ENV, WorkerTokens
 
@@ -43,6 +44,7 @@ class ClusterGatewayConfig:
     redis_url: str = field(repr=False)  # may carry the password
     tokens: WorkerTokens
     knative: KnativeConfig = field(default_factory=KnativeConfig)
+    extender: ExtenderConfig = field(default_factory=ExtenderConfig)  # what /extender judges by
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = field(default=None, repr=False)
@@ -62,7 +64,8 @@ class ClusterGatewayConfig:
     def from_env(cls, **overrides: Any) -> ClusterGatewayConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL`` (required),
         ``EMBER_REDIS_PASSWORD``, ``EMBER_API_KEY``, ``EMBER_REQUEST_TIMEOUT``,
-        ``EMBER_CLUSTER_SECRET`` (required) and the Knative settings; then non-None overrides.
+        ``EMBER_CLUSTER_SECRET`` (required), the Knative settings and the extender's
+        (``EMBER_EXTENDER_*``, as ``ember extender`` reads them); then non-None overrides.
         ValueError names the first bad or missing variable."""
         from runtime.registry import ember_home
 
@@ -86,6 +89,7 @@ class ClusterGatewayConfig:
         values["redis_url"] = with_password(values["redis_url"], env.get(PASSWORD_ENV))
         values["tokens"] = WorkerTokens.from_env()
         values["knative"] = KnativeConfig.from_env()
+        values["extender"] = ExtenderConfig.from_env()
         return cls(**values)
 
 

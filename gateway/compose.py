@@ -223,7 +223,8 @@ def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
     app = create_app(state, gateway_config, serving)
     # ember-scheduler's extender calls (kube-scheduler sends no API key: a NetworkPolicy keeps
     # them in the cluster; they reveal only which nodes hold which models).
-    app.mount(EXTENDER_PREFIX, extender_app(extender_for(state), gateway_config.limits, ping=state.r.ping))
+    extender = extender_for(state, config.extender)
+    app.mount(EXTENDER_PREFIX, extender_app(extender, gateway_config.limits, ping=state.r.ping))
     return ClusterNode(gateway_config, state, deployments, invoker, metrics, app)
 
 
@@ -483,8 +484,14 @@ def _openwhisk_assignment(
     document = parse_function_yaml(text).to_document()
     body = document["spec"]
     module, _, function = body["handler"].rpartition(":")
-    if module and not Path(module).is_absolute():  # relative: a module of the image's function code
-        body["handler"] = f"{home / 'functions' / module}:{function}"
+    if module:  # a module of the image's function code, relative to its functions directory
+        functions = home / "functions"
+        path = Path(module) if Path(module).is_absolute() else functions / module
+        # /init's spec is the action creator's, not the image's: it must not load any other
+        # Python file the image holds (a "../" or an absolute path) as the action's code.
+        if not path.resolve().is_relative_to(functions.resolve()):
+            raise ValueError(f"handler {module!r} is not a module under the image's {functions}")
+        body["handler"] = f"{path}:{function}"
     model = register(body["model"]["source"], body["model"]["dtype"], home=home)
     deadline = time.time() + INIT_TIMEOUT_S
     instance_id = value.name or "openwhisk"

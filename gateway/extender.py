@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -63,7 +64,11 @@ _THREAD_PARSE_BYTES = 256 << 10  # bodies above this are parsed off the event lo
 def extender_for(state: ClusterState, config: ExtenderConfig | None = None) -> Extender:
     """The extender over ``state``'s device reports (cached for ``config.cache_s``)."""
     config = config or ExtenderConfig()
-    return Extender(ResidencyCache(state.device_reports, config.cache_s), config)
+    # One attempt per read, no retry loop: kube-scheduler waits for the extender (httpTimeout,
+    # 2 s as shipped) in every pod's scheduling cycle, and with ``ignorable`` a quick 503
+    # lets it place the pod without residency rather than after a timeout.
+    read = functools.partial(state.device_reports_or_errors, retry=False)
+    return Extender(ResidencyCache(read, config.cache_s), config)
 
 
 def extender_app(

@@ -119,7 +119,8 @@ class KnativeConfig:
                 raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
 
         port_text = env.get(PORT_ENV, "").strip()
-        if port_text and not port_text.isdigit():
+        # ASCII digits only: str.isdigit() also takes "²" (int() refuses it) and "٣" (port 3).
+        if port_text and not (port_text.isascii() and port_text.isdigit()):
             raise ValueError(f"{PORT_ENV} must be a port number, got {port_text!r}")
         names = (env.get(name, "") for name in ("K_SERVICE", "K_REVISION", "K_CONFIGURATION"))
         revision = Revision(*names)

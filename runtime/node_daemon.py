@@ -26,10 +26,11 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from runtime.agent_config import AgentConfig
 from runtime.device_pools import DevicePools, PoolLayout
@@ -39,6 +40,7 @@ from runtime.supervisor import RestartConfig
 log = logging.getLogger(__name__)
 
 Report = Callable[[str, dict[str, Any]], None]  # device id, record
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +167,14 @@ class NodeDaemon:
         if self._wanted is None:
             return []
         done: list[str] = []
-        for model in await asyncio.to_thread(self._wanted):
+        for model in await _detached(self._wanted):
             if model.model_id in self.registered:
                 continue
             due, delay = self._retry_at.get(model, (0.0, 0.0))
             if time.monotonic() < due:
                 continue
             try:
-                local = await asyncio.to_thread(register, model.source, model.dtype, self.config.home)
+                local = await _detached(register, model.source, model.dtype, self.config.home)
             except Exception as exc:  # an unreachable or refused source: retry later
                 delay = min(RETRY_MAX_S, max(1.0, delay * 2))
                 self._retry_at[model] = (time.monotonic() + delay, delay)
@@ -192,18 +194,60 @@ class NodeDaemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Report every ``report_interval_s`` until ``stop`` is set. A failing report (Redis
-        away) is logged and retried at the next tick: the pool keeps serving pods meanwhile."""
+        away) is logged and retried at the next tick: the pool keeps serving pods meanwhile.
+
+        Model registration runs as its own task: converting a large model (or reading a slow
+        source) takes minutes, and reports held back that long would outlive the extender's
+        report TTL and filter this node out while its pool serves."""
+        syncing = asyncio.create_task(self._sync_loop(stop), name="ember-node-sync-models")
+        try:
+            while not stop.is_set():
+                try:
+                    await self.report_once()
+                except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
+                    log.warning("residency report failed: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
+        finally:
+            syncing.cancel()  # a registration thread in flight finishes alone (temporaries are reaped)
+            with contextlib.suppress(asyncio.CancelledError):
+                await syncing
+
+    async def _sync_loop(self, stop: asyncio.Event) -> None:
+        """:meth:`sync_models` every ``report_interval_s`` (after the previous one finished)."""
         while not stop.is_set():
             try:
-                await self.report_once()
-            except Exception as exc:  # Redis restarting, a malformed stats reply: keep serving
-                log.warning("residency report failed: %s", exc)
-            try:
                 await self.sync_models()
-            except Exception as exc:  # Redis away: the next tick tries again
+            except Exception as exc:  # Redis away: the next round tries again
                 log.warning("reading the deployed functions failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.report_interval_s)
 
     async def close(self) -> None:
         await self.pools.close()
+
+
+async def _detached(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a daemon thread of its own. Unlike ``asyncio.to_thread`` (the loop's
+    executor, which ``asyncio.run`` waits for at exit), a registration converting a large
+    model does not hold SIGTERM's exit for minutes: its temporaries are reaped by the next."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # cancelled meanwhile (stop)
+            outcome()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task, whatever it is
+            error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, lambda: future.set_exception(error))
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, lambda: future.set_result(result))
+
+    threading.Thread(target=target, name="ember-node-sync", daemon=True).start()
+    return await future

@@ -8,16 +8,18 @@ activation (the action interface of its runtimes, ``apache/openwhisk`` ``docs/ac
   YAML or JSON text (what ``wsk action create NAME function.yaml --docker IMAGE`` sends;
   without it the composition root may fall back to a spec baked into the image).
   ``value.env`` (optional, a mapping) is set in ``os.environ`` for the action's code, except
-  ``EMBER_*`` names (the container's own settings, not the action's) and ``__OW_*`` ones
-  (an activation's). ``value.binary`` must be false (a zip is no spec); ``value.main`` is
-  ignored. The worker then registers the spec's model and attaches to a pool (the
-  composition root's ``prepare``) and builds its engine; 200 ``{"ok": true}``. A failed
-  init may be retried; once one succeeded, another ``/init`` is refused with 403, as
-  OpenWhisk's own runtimes do.
+  ``EMBER_*`` names (the container's own settings, not the action's), ``__OW_*`` ones
+  (an activation's) and those that change what the process loads or runs (``LD_*``,
+  ``GLIBC_*``, ``MALLOC_*``, ``PYTHON*``, ``PATH``, ``HOME``, ``TMPDIR``, ...).
+  ``value.binary`` must be false (a zip is no spec); ``value.main`` is ignored. The worker
+  then registers the spec's model and attaches to a pool (the composition root's
+  ``prepare``) and builds its engine; 200 ``{"ok": true}``. A failed init may be retried;
+  once one succeeded, another ``/init`` is refused with 403, as OpenWhisk's own runtimes do.
 * ``/run`` body ``{"value": PARAMS, "namespace", "action_name", "activation_id",
   "deadline", ...}``. Every field but ``value`` becomes ``__OW_<FIELD>`` in ``os.environ``
   for the activation (and in the handler's ``context.env``); ``deadline`` (epoch
-  milliseconds) is the handler's ``context.remaining_time()``. ``PARAMS`` is the event: for
+  milliseconds) is the handler's ``context.remaining_time()``, and an activation whose
+  deadline has passed when its turn comes is refused (400) without running. ``PARAMS`` is the event: for
   the default handler a chat (``messages``) or completion (``prompt``) request, answered
   with the OpenAI JSON body (no streaming: an activation's result is one JSON object); for a
   custom handler the handler's result, which must be a JSON object (an async generator's
@@ -70,6 +72,10 @@ MAX_CODE_CHARS = 1 << 20  # a spec document is a few KiB
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _RESERVED_ENV = ("EMBER_", "__OW_")
+# Variables that change what this process and its children load or run (the dynamic loader,
+# glibc, the interpreter, the executable search path): the container's, not the action's.
+_LOADER_ENV = ("LD_", "GLIBC_", "MALLOC_", "PYTHON")
+_LOADER_NAMES = frozenset({"PATH", "HOME", "TMPDIR", "SHELL", "IFS", "ENV", "BASH_ENV"})
 
 log = logging.getLogger("ember.openwhisk")
 
@@ -126,7 +132,12 @@ class InitValue:
             raise ActionError(400, f"value.env must be a mapping of at most {MAX_ENV} variables")
         variables = {}
         for key, item in env.items():
-            if not _ENV_NAME.match(key) or key.upper().startswith(_RESERVED_ENV):
+            upper = key.upper()
+            if (
+                not _ENV_NAME.match(key)
+                or upper.startswith(_RESERVED_ENV + _LOADER_ENV)
+                or upper in _LOADER_NAMES
+            ):
                 raise ActionError(400, f"value.env: {key[:64]!r} is not a name an action may set")
             variables[key] = _text(item, f"value.env.{key}")
         name = value.get("name")
@@ -165,6 +176,10 @@ class Activation:
             if not math.isfinite(millis) or millis <= 0:
                 raise ActionError(400, "deadline must be epoch milliseconds")
             deadline = millis / 1000.0
+            if deadline <= now:
+                # Passed already (or while it waited for the activation before it): the invoker
+                # has given up on it, so the engine's time goes to the next one instead.
+                raise ActionError(400, f"the activation's deadline passed {now - deadline:.3f} s ago")
         activation_id = env.get("__OW_ACTIVATION_ID") or uuid.uuid4().hex
         return cls(params, env, activation_id, deadline)
 
@@ -210,7 +225,13 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 async def _init(action: ActionState, raw: bytes, prepare: Prepare) -> dict[str, Any]:
     value = InitValue.from_body(raw)
-    os.environ.update(value.env)
+    with _environment(value.env):  # undone if this /init fails: a retry brings its own
+        result = await _initialize(action, value, prepare)
+    os.environ.update(value.env)  # the action's, for every activation from now on
+    return result
+
+
+async def _initialize(action: ActionState, value: InitValue, prepare: Prepare) -> dict[str, Any]:
     try:
         message = await asyncio.to_thread(prepare, value)
     except (EmberRuntimeError, ValueError, OSError, KeyError) as exc:

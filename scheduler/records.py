@@ -34,7 +34,10 @@ class RecordError(StateConflict):
 
 
 def _document(raw: str | Mapping[str, Any]) -> dict[str, Any]:
-    data = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    except ValueError:  # not JSON (a record written by something else): malformed, not a bug
+        raise RecordError("state record is not a JSON document") from None
     if not isinstance(data, dict) or data.get("v") != ENCODING_VERSION:
         version = data.get("v") if isinstance(data, dict) else "?"
         raise RecordError(f"state record has unsupported encoding version {version}")
@@ -46,7 +49,7 @@ def _int(value: Any, what: str) -> int:
         raise RecordError(f"{what} must be an integer")
     try:
         return int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: JSON's Infinity / 1e999
         raise RecordError(f"{what} must be an integer") from None
 
 

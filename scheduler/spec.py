@@ -7,6 +7,7 @@ accept ``ms``, ``s``, ``m`` and ``h`` (``250ms``, ``10s``, ``1.5m``) and are kep
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -66,7 +67,11 @@ def parse_duration(value: Any) -> float:
 def _format_duration(seconds: float) -> str:
     if seconds < 1 and seconds * 1000 == int(seconds * 1000):
         return f"{int(seconds * 1000)}ms"
-    return f"{seconds:g}s"
+    # The shortest digits that read back as the same float, positional: "{:g}" wrote 1e-07s
+    # (which parse_duration, and so the stored document's next reader, refuses) and kept
+    # only six significant digits.
+    text = format(decimal.Decimal(repr(seconds)), "f")
+    return (text.rstrip("0").rstrip(".") if "." in text else text) + "s"
 
 
 Duration = Annotated[

@@ -39,7 +39,7 @@ from scheduler.errors import (
     StatePersistenceFailed,
     StateUnavailable,
 )
-from scheduler.records import ENCODING_VERSION, DeviceReport, FunctionRecord, Instance, ModelRef
+from scheduler.records import ENCODING_VERSION, DeviceReport, FunctionRecord, Instance, ModelRef, RecordError
 
 __all__ = ["ENCODING_VERSION", "ClusterState", "Instance", "Slot"]
 LIVE_STATES = ("starting", "ready")
@@ -198,6 +198,12 @@ class ClusterState:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
         except redis.exceptions.ResponseError as exc:
             raise _typed(exc) from None
+        except redis.exceptions.InvalidResponse as exc:
+            # The URL names something that is not Redis (an HTTP service, say): the store is
+            # unreachable all the same, not a bug to answer with a traceback or a 500.
+            raise StateUnavailable(
+                f"Redis is unreachable: the server at its URL is not Redis ({exc})"
+            ) from None
 
     # ----- functions ---------------------------------------------------------------------
 
@@ -313,6 +319,12 @@ class ClusterState:
             raise StateUnavailable(f"Redis is unreachable: {exc}") from None
         except redis.exceptions.ResponseError as exc:
             raise _typed(exc) from None
+        except redis.exceptions.InvalidResponse as exc:
+            # The URL names something that is not Redis (an HTTP service, say): the store is
+            # unreachable all the same, not a bug to answer with a traceback or a 500.
+            raise StateUnavailable(
+                f"Redis is unreachable: the server at its URL is not Redis ({exc})"
+            ) from None
 
     def acquire(self, function: str, concurrency: int, retry: bool = True) -> tuple[str, str] | None:
         """Route one request: (instance id, url) of the least loaded ready instance, or None."""
@@ -373,19 +385,31 @@ class ClusterState:
         self._call(lambda: self.r.set(f"{self.p}device:{device_id}", value))
 
     def device_reports(self) -> dict[str, DeviceReport]:
-        """Every device's latest report, by device id (sorted)."""
+        """Every device's latest well-formed report, by device id (sorted); malformed ones
+        are left out (:meth:`device_reports_or_errors` says why)."""
+        return {k: v for k, v in self.device_reports_or_errors().items() if isinstance(v, DeviceReport)}
+
+    def device_reports_or_errors(self, retry: bool = True) -> dict[str, DeviceReport | RecordError]:
+        """Every device's latest report, by device id (sorted), or the :class:`RecordError`
+        its document raised: one node's malformed report must not hide every other node's.
+        ``retry=False``: one attempt, :class:`StateUnavailable` at once when Redis is away."""
         pattern = f"{self.p}device:*"
         # Two round trips whatever the device count (the scheduler extender reads every report
         # per placement): one SCAN page of up to 1000 keys at a time, then one MGET.
-        keys: list[str] = self._call(lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)))
+        keys: list[str] = self._once_or_retry(
+            lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)), retry
+        )
         if not keys:
             return {}
-        values: list[str | None] = self._call(functools.partial(self.r.mget, keys))
-        out = {}
+        values: list[str | None] = self._once_or_retry(functools.partial(self.r.mget, keys), retry)
+        out: dict[str, DeviceReport | RecordError] = {}
         for k, raw in zip(keys, values, strict=True):
             if raw is not None:  # deleted between the SCAN and the MGET
                 device_id = k[len(f"{self.p}device:") :]
-                out[device_id] = DeviceReport.decode(device_id, str(raw))
+                try:
+                    out[device_id] = DeviceReport.decode(device_id, str(raw))
+                except RecordError as exc:
+                    out[device_id] = exc
         return out
 
     def devices(self) -> dict[str, dict[str, Any]]:

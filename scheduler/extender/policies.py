@@ -3,8 +3,9 @@
 **Filter.** A node passes unless its pool is down or cannot fit the pod's model:
 
 * down: no report for the node's device (``<node>/cpu``, :func:`scheduler.cluster_keys.device_id`),
-  a report older than ``report_ttl_s`` (its pool or reporter stopped publishing), or a malformed
-  one. Preempting pods cannot bring a pool back, so these go to ``FailedAndUnresolvableNodes``;
+  a report older than ``report_ttl_s`` (its pool or reporter stopped publishing) or dated ahead
+  by more than it (it would never grow stale), or a malformed one. Preempting pods cannot
+  bring a pool back, so these go to ``FailedAndUnresolvableNodes``;
 * cannot fit: the bytes of the model not resident there exceed the pool's free plus evictable
   bytes (Eq. 3's feasibility, :func:`scheduler.policies.expected_start`). Preempting pods that
   pin tensors would make those tensors evictable, so these go to ``FailedNodes``.
@@ -97,6 +98,8 @@ class PoolView:
     def __post_init__(self) -> None:
         if self.free_bytes < 0 or self.evictable_bytes < 0 or self.bytes_loaded < 0:
             raise ValueError("free_bytes, evictable_bytes and bytes_loaded must be >= 0")
+        if any(b < 0 for b in self.resident_bytes.values()):
+            raise ValueError("resident bytes must be >= 0")
         if not (math.isfinite(self.load_bandwidth) and self.load_bandwidth >= 0):
             raise ValueError("load_bandwidth must be a finite number >= 0")
         if not (math.isfinite(self.queue_seconds) and self.queue_seconds >= 0):
@@ -152,6 +155,11 @@ def _judge(
     age = now - pool.updated
     if age > config.report_ttl_s:
         reason = f"pool report of {device} is {age:.1f} s old (limit {config.report_ttl_s:g} s): pool down"
+        return Verdict(node, None, reason, True)
+    if age < -config.report_ttl_s:
+        # Dated ahead by more than the TTL (a node clock far off, or a forged "updated"): such
+        # a report would never grow stale, so a pool that stopped would keep passing forever.
+        reason = f"pool report of {device} is dated {-age:.1f} s ahead (limit {config.report_ttl_s:g} s)"
         return Verdict(node, None, reason, True)
     measured = pool.load_bandwidth > 0 and pool.bytes_loaded >= config.trusted_load_bytes
     bandwidth = pool.load_bandwidth if measured else config.default_bandwidth

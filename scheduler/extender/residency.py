@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from scheduler.extender.policies import PoolView, Residency
-from scheduler.records import DeviceReport
+from scheduler.records import DeviceReport, RecordError
 
 
 def pool_view(report: DeviceReport) -> PoolView:
@@ -51,11 +51,15 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
-def residency_of(reports: Mapping[str, DeviceReport]) -> Residency:
-    """Every report as a :class:`PoolView`; the malformed ones set aside with the reason."""
+def residency_of(reports: Mapping[str, DeviceReport | RecordError]) -> Residency:
+    """Every report as a :class:`PoolView`; the malformed ones (already when decoded, a
+    :class:`RecordError`, or in their placement inputs) set aside with the reason."""
     pools: dict[str, PoolView] = {}
     malformed: dict[str, str] = {}
     for device_id, report in reports.items():
+        if isinstance(report, RecordError):
+            malformed[device_id] = str(report)[:200]
+            continue
         try:
             pools[device_id] = pool_view(report)
         except ValueError as exc:
@@ -63,12 +67,15 @@ def residency_of(reports: Mapping[str, DeviceReport]) -> Residency:
     return Residency(pools, malformed)
 
 
+_MIN_FAILED_S = 0.5  # how long a failed read answers for the calls after it, at least
+
+
 class ResidencyCache:
-    """:func:`residency_of` over ``read()`` (e.g. ``ClusterState.device_reports``), cached."""
+    """:func:`residency_of` over ``read()`` (e.g. ``ClusterState.device_reports_or_errors``), cached."""
 
     def __init__(
         self,
-        read: Callable[[], Mapping[str, DeviceReport]],
+        read: Callable[[], Mapping[str, DeviceReport | RecordError]],
         ttl_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -78,6 +85,7 @@ class ResidencyCache:
         self.ttl_s = ttl_s
         self._clock = clock
         self._cached: tuple[float, Residency] | None = None  # (read at, residency)
+        self._failed: tuple[float, Exception] | None = None  # (read at, why): the last read failed
         self._lock = asyncio.Lock()
         self.reads = 0  # reads from the source (tests and the bench check the cache with it)
 
@@ -86,8 +94,16 @@ class ResidencyCache:
             return self._cached[1]
         return None
 
+    def _failing(self) -> Exception | None:
+        if self._failed is not None and self._clock() - self._failed[0] < max(self.ttl_s, _MIN_FAILED_S):
+            return self._failed[1]
+        return None
+
     async def get(self) -> Residency:
-        """The residency, read again when the cached read is ``ttl_s`` old."""
+        """The residency, read again when the cached read is ``ttl_s`` old. A failed read
+        fails the calls of the next ``ttl_s`` (at least 0.5 s) alike, without reading again:
+        while Redis is away, calls queued behind the lock would otherwise each wait for a
+        read of their own, one after another, long after kube-scheduler stopped waiting."""
         cached = self._fresh()
         if cached is not None:
             return cached
@@ -95,9 +111,17 @@ class ResidencyCache:
             cached = self._fresh()
             if cached is not None:
                 return cached
+            failing = self._failing()
+            if failing is not None:
+                raise failing
             started = self._clock()
-            reports = await asyncio.to_thread(self._read)
+            try:
+                reports = await asyncio.to_thread(self._read)
+            except Exception as exc:
+                self._failed = (started, exc)
+                raise
             self.reads += 1
+            self._failed = None
             residency = residency_of(reports)
             self._cached = (started, residency)  # its age counts from before the read
             return residency

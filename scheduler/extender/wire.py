@@ -15,6 +15,7 @@ or the ``v1.Node`` objects is not read, and Node objects are echoed back unchang
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,6 +26,9 @@ from scheduler.errors import SchedulerError
 MAX_EXTENDER_PRIORITY = 10  # MaxExtenderPriority
 MIN_EXTENDER_PRIORITY = 0  # MinExtenderPriority
 MAX_NAME = 253  # a node name is a DNS subdomain
+# What the API server admits as a Node's name (an RFC 1123 subdomain): anything else is not
+# from kube-scheduler, and a '/' would name another device id, a lone surrogate fail the answer.
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 MAX_WEIGHT_BYTES = 1 << 50  # 1 PiB: far above any model, far below float precision trouble
 
 
@@ -107,6 +111,8 @@ def _count(n: int, limits: WireLimits) -> None:
 def _name(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
         raise ExtenderWireError(f"a node name must be a string of 1 to {MAX_NAME} characters")
+    if _NODE_NAME.fullmatch(value) is None:
+        raise ExtenderWireError(f"node name {value[:64]!r} is not a DNS subdomain (RFC 1123)")
     return value
 
 
@@ -148,12 +154,17 @@ def _demand(pod: Any, limits: WireLimits) -> PodDemand:
     pod_name = f"{namespace[:MAX_NAME]}/{name[:MAX_NAME]}"
     function_id = annotations.get(cluster_keys.ANNOTATION_FUNCTION_ID)
     model_id = annotations.get(cluster_keys.ANNOTATION_MODEL)
-    if function_id is not None and not isinstance(function_id, str):
-        raise ExtenderWireError(f"annotation {cluster_keys.ANNOTATION_FUNCTION_ID} must be a string")
+    # Printable: the answer and the log quote them, and a lone surrogate cannot be encoded.
+    if function_id is not None and not (isinstance(function_id, str) and function_id.isprintable()):
+        raise ExtenderWireError(
+            f"annotation {cluster_keys.ANNOTATION_FUNCTION_ID} must be a printable string"
+        )
     if model_id is None:
         return PodDemand(pod_name, function_id, None, 0)
-    if not isinstance(model_id, str) or not 0 < len(model_id) <= 1024:
-        raise ExtenderWireError(f"annotation {cluster_keys.ANNOTATION_MODEL} must be 1 to 1024 characters")
+    if not isinstance(model_id, str) or not 0 < len(model_id) <= 1024 or not model_id.isprintable():
+        raise ExtenderWireError(
+            f"annotation {cluster_keys.ANNOTATION_MODEL} must be 1 to 1024 printable characters"
+        )
     raw = annotations.get(cluster_keys.ANNOTATION_WEIGHT_BYTES)
     # Decimal digits only: int() alone would take "1_000", " 7" and "+7" too.
     if not isinstance(raw, str) or not raw.isascii() or not raw.isdigit() or len(raw) > 16:

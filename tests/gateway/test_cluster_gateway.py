@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,11 @@ from runtime.registry import RegisteredModel, register
 from runtime.sources import ROOTS_ENV, SourceRoots
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler import cluster_keys
+from scheduler.extender.policies import PlacementConfig
+from scheduler.extender.service import ExtenderConfig
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.tokens import WorkerTokens, worker_token
+from scheduler.records import DeviceReport
 from scheduler.redis_server import EmbeddedRedis
 from tests.conftest import PoolProcess
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
@@ -284,6 +288,35 @@ async def invoke_cluster_async(redis_url: str, tmp_path: Path, service_url: str)
         await node.close()
 
 
+def test_the_mounted_extender_judges_by_its_configured_report_ttl(redis_url: str, tmp_path: Path) -> None:
+    """Regression: build_cluster mounted the extender with the default settings, so an
+    operator's EMBER_EXTENDER_REPORT_TTL (say, for nodes reporting every 15 s) was ignored and
+    every node whose report was older than 10 s was filtered out."""
+    config = ClusterGatewayConfig(
+        home=tmp_path / "home",
+        redis_url=redis_url,
+        tokens=WorkerTokens(SECRET.encode()),
+        knative=KnativeConfig(url_template="http://{service}.ember-fn", apply_dir=tmp_path / "manifests"),
+        extender=ExtenderConfig(PlacementConfig(report_ttl_s=60.0), cache_s=0.0),
+    )
+    annotations = {cluster_keys.ANNOTATION_MODEL: "m", cluster_keys.ANNOTATION_WEIGHT_BYTES: "1000"}
+    pod = {"metadata": {"name": "p", "annotations": annotations}}
+
+    async def filtered() -> httpx.Response:
+        node = build_cluster(config)
+        try:
+            report = DeviceReport.encode({"free_bytes": 1 << 30, "models": {}}, updated=time.time() - 30)
+            await asyncio.to_thread(node.state.r.set, f"{node.state.p}device:node-a/cpu", json.dumps(report))
+            transport = httpx.ASGITransport(app=node.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+                return await http.post("/extender/filter", json={"Pod": pod, "NodeNames": ["node-a"]})
+        finally:
+            await node.close()
+
+    out = asyncio.run(filtered())
+    assert out.status_code == 200 and out.json()["NodeNames"] == ["node-a"], out.text
+
+
 @pytest.mark.parametrize(
     ("env", "code", "message"),
     [
@@ -293,6 +326,9 @@ async def invoke_cluster_async(redis_url: str, tmp_path: Path, service_url: str)
           "EMBER_HOST": "0.0.0.0"}, 2, "EMBER_API_KEY"),
         ({"EMBER_REDIS_URL": "redis://127.0.0.1:1/0", "EMBER_CLUSTER_SECRET": SECRET,
           "EMBER_KNATIVE_URL": "http://{pod}.cluster"}, 2, "EMBER_KNATIVE_URL"),
+        # Regression: the mounted extender ignored its settings (ember extender reads them).
+        ({"EMBER_REDIS_URL": "redis://127.0.0.1:1/0", "EMBER_CLUSTER_SECRET": SECRET,
+          "EMBER_EXTENDER_REPORT_TTL": "soon"}, 2, "EMBER_EXTENDER_REPORT_TTL"),
         # The Kubernetes API backend without credentials: refused at start, not at the first deploy.
         ({"EMBER_REDIS_URL": "redis://127.0.0.1:1/0", "EMBER_CLUSTER_SECRET": SECRET,
           "KUBECONFIG": "/nonexistent/kubeconfig"}, 1, "no Kubernetes credentials"),

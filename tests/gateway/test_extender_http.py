@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from gateway.extender import ExtenderServeConfig, extender_app, extender_for
 from gateway.limits import EdgeLimits
 from gateway.spawn import ExtenderProcess
 from scheduler import cluster_keys
+from scheduler.errors import StateUnavailable
 from scheduler.extender.service import ExtenderConfig
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
@@ -86,6 +88,12 @@ def test_bad_requests_get_json_errors(extender: ExtenderProcess) -> None:
             (http.post("/prioritize", content=b" " * 70000), 413, "request_too_large"),
             (http.get("/filter"), 405, "method_not_allowed"),
             (http.post("/bind", json={}), 404, "not_found"),
+            # Regression: a lone surrogate in a node name failed to encode in the answer (500).
+            (
+                http.post("/filter", content=b'{"Pod": {"metadata": {}}, "NodeNames": ["\\ud800"]}'),
+                400,
+                "invalid_extender_args",
+            ),
         ]
         for response, status, kind in cases:
             assert response.status_code == status, response.text
@@ -106,10 +114,51 @@ def test_sigterm_stops_it_cleanly_and_bad_settings_exit_2(extender: ExtenderProc
         check=False,
     )
     assert bad.returncode == 2 and "EMBER_EXTENDER_REPORT_TTL" in bad.stderr
+    # Regression: an address it cannot listen on was a traceback.
+    unbound = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "extender", "--redis", "redis://x:1", "--port", "0"],
+        env={"EMBER_HOST": "999.1.1.1", "PATH": "/usr/bin"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert unbound.returncode == 1 and "cannot listen on 999.1.1.1" in unbound.stderr
+    assert "Traceback" not in unbound.stderr
     with pytest.raises(ValueError, match="Redis URL"):
         ExtenderServeConfig(redis_url="")
     with pytest.raises(ValueError, match="prefix"):
         ExtenderServeConfig(redis_url="redis://x", prefix="extender/")
+
+
+def test_one_malformed_device_report_does_not_fail_every_placement(
+    extender: ExtenderProcess, state: ClusterState
+) -> None:
+    """Regression: a report that is not JSON, or holds Infinity, failed the whole read (500 or
+    409 for every pod); now only its node is unresolvable and the others are judged."""
+    state.r.set(f"{state.p}device:junk/cpu", "not json")
+    state.r.set(f"{state.p}device:inf/cpu", '{"v": 1, "free_bytes": 1e999, "updated": 0}')
+    with httpx.Client(base_url=extender.url, timeout=10) as http:
+        out = http.post("/filter", json=args(["warm", "junk", "inf"]))
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["NodeNames"] == ["warm"]
+    assert "not a JSON document" in body["FailedAndUnresolvableNodes"]["junk"]
+    assert "free_bytes" in body["FailedAndUnresolvableNodes"]["inf"]
+
+
+def test_the_extender_answers_at_once_when_redis_is_away(
+    redis_server: EmbeddedRedis, state: ClusterState
+) -> None:
+    """Regression: its read retried for the state's 10 s, beyond kube-scheduler's httpTimeout
+    (2 s as shipped), in every pod's scheduling cycle."""
+    extender = extender_for(state, ExtenderConfig(cache_s=0.0))
+    redis_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(StateUnavailable):
+        asyncio.run(extender.filter(args(["a"])))
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_mounted_in_the_gateway_app(state: ClusterState) -> None:

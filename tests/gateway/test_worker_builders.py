@@ -192,6 +192,11 @@ spec:
         _openwhisk_assignment(InitValue(None), home, "/x/cpu.sock", None)
     with pytest.raises(SpecError, match="unknown field"):
         _openwhisk_assignment(InitValue(spec + "  extra: 1\n"), home, "/x/cpu.sock", None)
+    # Regression: the action's spec could name any Python file of the image as its handler.
+    (tmp_path / "evil.py").write_text("raise SystemExit('loaded')\n")
+    for handler in ("../../evil.py:main", f"{tmp_path / 'evil.py'}:main"):
+        with pytest.raises(ValueError, match="not a module under"):
+            _openwhisk_assignment(InitValue(spec.replace("echo.py:main", handler)), home, "/x/cpu.sock", None)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,8 @@ def test_config_follows_the_pod_environment() -> None:
         ({"PORT": "http"}, "PORT"),
         ({"PORT": "70000"}, "PORT"),
         ({"PORT": "0"}, "PORT"),
+        ({"PORT": "²"}, "PORT"),  # regressions: non-ASCII digits (int() refused it unnamed) ...
+        ({"PORT": "٨٠٨٠"}, "PORT"),  # ... or took it as port 8080
         ({"EMBER_GRACE_SECONDS": "0"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_GRACE_SECONDS": "nan"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_GRACE_SECONDS": "1e9"}, "EMBER_GRACE_SECONDS"),

@@ -145,3 +145,82 @@ def test_node_registers_deployed_models_in_its_own_store(
     assert Path(daemon.registered[model_id]) == node_home / "models" / model_id
     assert any((node_home / "models" / model_id).iterdir())
     assert asyncio.run(daemon.sync_models()) == []  # idempotent; the missing source waits its backoff
+
+
+def test_a_slow_registration_does_not_hold_back_the_reports(
+    tmp_path: Path, pool_dir: Path, state: ClusterState
+) -> None:
+    """Regression: registration ran in the report loop's tick, so a model taking longer than
+    the extender's report TTL (10 s) to register (a large conversion, a slow source) left the
+    node's record stale and the extender filtered out a node whose pool served."""
+    import threading
+
+    from runtime.node_daemon import NodeDaemon, WantedModel
+
+    config = NodeConfig.from_env(
+        {"EMBER_HOME": str(tmp_path / "node"), "EMBER_POOL_DIR": str(pool_dir),
+         "EMBER_NODE_NAME": "n1", "EMBER_REPORT_INTERVAL": "0.1"}
+    )  # fmt: skip
+    release = threading.Event()
+
+    def wanted() -> list[WantedModel]:  # the cluster state answering as slowly as a long register
+        release.wait(10)
+        return []
+
+    reports: list[float] = []
+
+    def report(device_id: str, record: dict[str, object]) -> None:
+        reports.append(time.monotonic())
+        state.report_device(device_id, record)
+
+    async def main() -> None:
+        daemon = NodeDaemon(config, report, wanted)
+        await daemon.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(daemon.run(stop))
+        try:
+            await asyncio.sleep(2.0)
+        finally:
+            release.set()
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            await daemon.close()
+
+    asyncio.run(main())
+    assert len(reports) >= 5, reports  # ~20 at 0.1 s; one while a registration held the tick
+
+
+def test_stopping_does_not_wait_for_a_registration_in_flight(tmp_path: Path, pool_dir: Path) -> None:
+    """Regression: registration ran in the loop's executor, which asyncio.run waits for at
+    exit: SIGTERM during a long conversion kept ``ember node`` alive until it finished (or
+    Kubernetes' SIGKILL)."""
+    import threading
+
+    from runtime.node_daemon import NodeDaemon, WantedModel
+
+    config = NodeConfig.from_env(
+        {"EMBER_HOME": str(tmp_path / "node"), "EMBER_POOL_DIR": str(pool_dir),
+         "EMBER_NODE_NAME": "n1", "EMBER_REPORT_INTERVAL": "0.1"}
+    )  # fmt: skip
+    never = threading.Event()
+
+    def wanted() -> list[WantedModel]:  # a registration that outlives the process's stop
+        never.wait(20)
+        return []
+
+    async def main() -> None:
+        daemon = NodeDaemon(config, lambda device, record: None, wanted)
+        await daemon.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(daemon.run(stop))
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await daemon.close()
+
+    t0 = time.monotonic()
+    try:
+        asyncio.run(main())
+        assert time.monotonic() - t0 < 10
+    finally:
+        never.set()

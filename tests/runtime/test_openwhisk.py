@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import threading
 import time
@@ -73,6 +74,12 @@ def test_init_value_carries_the_spec_and_environment() -> None:
         (b'{"value": {"env": {"__OW_API_KEY": "x"}}}', "__OW_API_KEY"),
         (b'{"value": {"env": {"A=B": "x"}}}', "A=B"),
         (b'{"value": {"env": {"A": "\\u0000"}}}', "NUL"),
+        # Regressions: what the process and its children load or run is not the action's to set.
+        (b'{"value": {"env": {"LD_PRELOAD": "/tmp/x.so"}}}', "LD_PRELOAD"),
+        (b'{"value": {"env": {"PYTHONPATH": "/tmp"}}}', "PYTHONPATH"),
+        (b'{"value": {"env": {"PATH": "/tmp"}}}', "PATH"),
+        (b'{"value": {"env": {"GLIBC_TUNABLES": "x"}}}', "GLIBC_TUNABLES"),
+        (b'{"value": {"env": {"ld_library_path": "/tmp"}}}', "ld_library_path"),
     ],
 )
 def test_bad_init_bodies_are_400s(body: bytes, needle: str) -> None:
@@ -96,6 +103,10 @@ def test_run_fields_become_the_activation_environment() -> None:
         with pytest.raises(ActionError) as info:
             Activation.from_body(bad, now=1.0)
         assert info.value.status == 400
+    # Regression: a deadline already past ran the activation anyway (its result unwanted).
+    with pytest.raises(ActionError, match="deadline passed") as info:
+        Activation.from_body(json.dumps(body).encode(), now=1700000001.0)
+    assert info.value.status == 400
 
 
 def test_failed_inits_can_be_retried_and_bodies_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,8 +121,9 @@ def test_failed_inits_can_be_retried_and_bodies_are_bounded(capsys: pytest.Captu
     action = ActionState()
     with TestClient(BodyLimit(build_openwhisk_app(action, prepare), 4096)) as http:
         for _ in range(2):  # a failed /init is not "initialized": the invoker may try again
-            failed = http.post("/init", json={"value": {"code": "spec"}})
+            failed = http.post("/init", json={"value": {"code": "spec", "env": {"OW_PROBE_VAR": "1"}}})
             assert failed.status_code == 502 and "no model for 'spec'" in failed.json()["error"]
+            assert "OW_PROBE_VAR" not in os.environ  # regression: a failed /init's env stayed
         assert not action.initialized
         assert http.post("/init", content=b"[]").status_code == 400
         assert http.post("/run", json={"value": {}}).status_code == 502  # not initialized

@@ -141,6 +141,8 @@ def test_config_is_validated() -> None:
         view("a", free=-1)
     with pytest.raises(ValueError):
         view("a", bandwidth=float("inf"))
+    with pytest.raises(ValueError):  # regression: negative residency was taken as is
+        view("a", resident=-1)
 
 
 # ----- properties ------------------------------------------------------------------------------
@@ -231,6 +233,15 @@ def test_filter_never_drops_a_healthy_node_with_room(
         assert (n in result.passed) == (fresh and room), (n, fresh, room)
         if not fresh:
             assert n in result.unresolvable
+
+
+def test_a_report_dated_ahead_beyond_the_ttl_is_a_down_pool() -> None:
+    """Regression: a report dated in the future (a node clock far ahead) never grew stale, so
+    its pool kept passing after it stopped; skew within the TTL is tolerated."""
+    skewed = judge(demand(), "a", residency(view("a", age=-5.0)), NOW, CONFIG)
+    assert skewed.reason is None
+    ahead = judge(demand(), "a", residency(view("a", age=-3600.0)), NOW, CONFIG)
+    assert ahead.unresolvable and ahead.reason is not None and "ahead" in ahead.reason
 
 
 @given(age=st.floats(min_value=0, max_value=100), ttl=st.floats(min_value=0.1, max_value=60))

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from scheduler import cluster_keys
+from scheduler.errors import StateUnavailable
+from scheduler.extender.policies import Residency
 from scheduler.extender.residency import ResidencyCache, residency_of
 from scheduler.extender.service import LOGGER, Extender, ExtenderConfig
 from scheduler.records import DeviceReport
@@ -46,6 +48,55 @@ def test_reports_become_pool_views_and_malformed_ones_are_set_aside(state: Clust
     assert set(r.malformed) == {"b/cpu", "c/cpu"} and set(r.pools) == {"a/cpu"}
     assert r.malformed["b/cpu"] == "queue_seconds must be a number"
     assert "free_bytes" in r.malformed["c/cpu"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ("not json", "not a JSON document"),
+        ('{"v": 1, "free_bytes": 1e999}', "free_bytes"),
+        ('{"v": 1, "free_bytes": 5, "load_bandwidth": NaN}', "load_bandwidth"),
+        ('{"v": 99}', "encoding version"),
+        ('{"v": 1, "free_bytes": 5, "models": {"m": -7}, "updated": 0}', "resident bytes"),
+    ],
+)
+def test_a_malformed_report_sets_aside_only_its_own_device(state: ClusterState, raw: str, why: str) -> None:
+    """Regression: one such report raised out of the whole read (every placement failed)."""
+    state.report_device("good/cpu", report(1 << 30, {}))
+    state.r.set(f"{state.p}device:bad/cpu", raw)
+    if why != "resident bytes":  # the record itself is malformed: left out of device_reports()
+        assert set(state.device_reports()) == {"good/cpu"}  # what the embedded cold start reads
+    extender = Extender(ResidencyCache(state.device_reports_or_errors, ttl_s=0.0))
+    out = asyncio.run(extender.filter(args(["good", "bad"])))
+    assert out["NodeNames"] == ["good"] and why in out["FailedAndUnresolvableNodes"]["bad"]
+
+
+def test_a_failed_read_fails_the_burst_behind_it_without_reading_again() -> None:
+    """Regression: with Redis away each call queued behind the cache's lock made a read of
+    its own, one after another: a backlog long after kube-scheduler stopped waiting."""
+    now = [0.0]
+    calls = []
+    gate = threading.Event()
+
+    def read() -> Mapping[str, DeviceReport]:
+        calls.append(1)
+        gate.wait(5)
+        raise StateUnavailable("Redis is unreachable")
+
+    cache = ResidencyCache(read, ttl_s=0.0, clock=lambda: now[0])
+
+    async def burst() -> list[BaseException | Residency]:
+        tasks = [asyncio.create_task(cache.get()) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = asyncio.run(burst())
+    assert len(calls) == 1 and all(isinstance(o, StateUnavailable) for o in outcomes)
+    now[0] = 0.6  # the failure is answered for 0.5 s at least, then read again
+    with pytest.raises(StateUnavailable):
+        asyncio.run(cache.get())
+    assert len(calls) == 2
 
 
 def test_the_cache_reads_once_per_ttl_and_once_per_burst() -> None:

@@ -104,7 +104,15 @@ def test_a_pod_without_the_model_annotation_is_not_a_function() -> None:
         ({"Pod": pod(weight="٣"), "NodeNames": []}, "decimal byte count"),  # a non-ASCII digit
         ({"Pod": pod(weight="9" * 17), "NodeNames": []}, "decimal byte count"),
         ({"Pod": pod(weight=str(1 << 51)), "NodeNames": []}, "implausibly large"),
-        ({"Pod": pod(model=""), "NodeNames": []}, "1 to 1024 characters"),
+        ({"Pod": pod(model=""), "NodeNames": []}, "1 to 1024 printable characters"),
+        # Regressions: a lone surrogate (valid in JSON's escapes) could not be encoded in the
+        # answer (500), and a '/' in a node name named another device id.
+        ({"Pod": pod(model="m\ud800"), "NodeNames": []}, "printable characters"),
+        ({"Pod": pod(), "NodeNames": ["a\ud800"]}, "DNS subdomain"),
+        ({"Pod": pod(), "NodeNames": ["a/cpu"]}, "DNS subdomain"),
+        ({"Pod": pod(), "NodeNames": ["Node_A"]}, "DNS subdomain"),
+        ({"Pod": pod(), "Nodes": {"items": [node("../x")]}}, "DNS subdomain"),
+        ({"Pod": pod(**{cluster_keys.ANNOTATION_FUNCTION_ID: "f\ud800"}), "NodeNames": []}, "printable"),
     ],
 )
 def test_malformed_args_are_refused_with_a_clear_error(document: Any, message: str) -> None:

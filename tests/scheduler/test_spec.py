@@ -33,6 +33,25 @@ def test_design_example_parses_and_round_trips() -> None:
     assert parse_function_yaml(__import__("json").dumps(doc)) == f
 
 
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("0.0001ms", "0.00000010000000000000001s"),
+        ("123456.75s", "123456.75s"),
+        ("1.5s", "1.5s"),
+        ("0s", "0ms"),
+        ("2h", "7200s"),
+    ],
+)
+def test_durations_are_stored_as_durations_that_parse_again(given: str, stored: str) -> None:
+    """Regression: 0.0001ms was stored as '1e-07s', which no reader of the document (the
+    Knative renderer, an update) could parse again; 123456.75s lost its fraction."""
+    f = parse_function_yaml(EXAMPLE.replace("ttft: 2s", f"ttft: {given}"))
+    doc = f.to_document()
+    assert doc["spec"]["slo"]["ttft"] == stored
+    assert parse_function_yaml(__import__("json").dumps(doc)) == f
+
+
 def test_defaults_are_filled_in() -> None:
     text = "apiVersion: ember.dev/v1\nkind: Function\nmetadata: {name: f}\n"
     text += "spec: {model: {source: gguf:/m.gguf}}\n"

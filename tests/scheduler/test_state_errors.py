@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from scheduler.errors import StateNotWritable, StateOutOfMemory, StatePersistenceFailed
+from scheduler.errors import StateNotWritable, StateOutOfMemory, StatePersistenceFailed, StateUnavailable
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
 
@@ -64,3 +66,29 @@ def test_misconf_is_state_persistence_failed(state: ClusterState, admin: redis.R
         admin.config_set("dir", directory)
         admin.config_set("save", "")
     writes(state)  # a successful save is not needed once no save points are configured
+
+
+def test_a_server_that_is_not_redis_is_state_unavailable() -> None:
+    """Regression: EMBER_REDIS_URL naming an HTTP service raised redis' InvalidResponse out of
+    every call (a traceback at ``ember worker`` start, a 500 from the extender)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    state = ClusterState.from_url(f"redis://127.0.0.1:{port}/0")
+    try:
+        with pytest.raises(StateUnavailable, match="not Redis"):
+            state.device_reports()
+    finally:
+        state.close()
+        listener.close()
