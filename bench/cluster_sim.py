@@ -67,24 +67,10 @@ class SimFunction:
 
 
 def device_report(node: str, stats: Mapping[str, Any]) -> dict[str, Any]:
-    """The node agent's device record of a CPU pool from its ``stats`` (the fields
-    :meth:`runtime.agent.NodeAgent.report` publishes, without the pre-warmed workers')."""
-    return {
-        "node": node,
-        "device": "cpu",
-        "capacity_bytes": stats["capacity_bytes"],
-        "free_bytes": stats["free_bytes"],
-        "evictable_bytes": max(0, stats["resident_bytes"] - stats["pinned_bytes"]),
-        "resident_bytes": stats["resident_bytes"],
-        "pinned_bytes": stats["pinned_bytes"],
-        "kv_bytes": stats["kv_bytes"],
-        "bytes_loaded": stats["bytes_loaded"],
-        "bytes_reused": stats["bytes_reused"],
-        "bytes_moved": stats["bytes_moved"],
-        "load_bandwidth": stats["load_bandwidth"],
-        "sessions": stats["sessions"],
-        "models": {m: v["resident_bytes"] for m, v in stats["models"].items()},
-    }
+    """The device record ``ember node`` publishes for a CPU pool from its ``stats``."""
+    from runtime.device_report import device_record
+
+    return device_record(node, "cpu", dict(stats), {})
 
 
 def pod_manifest(fn: SimFunction, serial: int) -> dict[str, Any]:
