@@ -23,7 +23,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.http_server import HeaderLimits
+from runtime.http_server import HeaderLimits, env_values
 
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects; OpenAI requests and events need < 10
 
@@ -71,19 +71,13 @@ class EdgeLimits:
         """``EMBER_MAX_BODY_BYTES``, ``EMBER_MAX_SPEC_BYTES`` (integers), ``EMBER_BODY_TIMEOUT``
         (seconds), and the header limits (:meth:`HeaderLimits.from_env`); unset ones keep
         their defaults, bad ones raise."""
-        values: dict[str, Any] = {}
-        for env, key, kind in (
-            ("EMBER_MAX_BODY_BYTES", "max_body_bytes", int),
-            ("EMBER_MAX_SPEC_BYTES", "max_spec_bytes", int),
-            ("EMBER_BODY_TIMEOUT", "body_timeout_s", float),
-        ):
-            raw = os.environ.get(env)
-            if raw is None:
-                continue
-            try:
-                values[key] = kind(raw)
-            except ValueError:
-                raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+        values = env_values(
+            (
+                ("EMBER_MAX_BODY_BYTES", "max_body_bytes", int),
+                ("EMBER_MAX_SPEC_BYTES", "max_spec_bytes", int),
+                ("EMBER_BODY_TIMEOUT", "body_timeout_s", float),
+            )
+        )
         try:
             return cls(headers=HeaderLimits.from_env(), **values)
         except ValueError as exc:

@@ -18,7 +18,31 @@ class ServeError(RuntimeError):
     """``ember serve`` did not become ready."""
 
 
-class ServeProcess:
+class _Child:
+    """A child process with its log file: what both launchers share."""
+
+    proc: subprocess.Popen[Any]
+    _log: Any
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (SIGKILL after ``timeout``); returns the exit status."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        return self.proc.returncode
+
+
+class ServeProcess(_Child):
     """``python -m gateway.cli VERB --port 0`` (``serve``, or ``gateway`` for cluster mode) with
     its own ``EMBER_HOME``; ``url`` once ready."""
 
@@ -61,25 +85,8 @@ class ServeProcess:
     def pool_socket(self) -> str:
         return str(self.home / "run" / "pool-cpu.sock")
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (SIGKILL after ``timeout``); returns the exit status."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-        return self.proc.returncode
-
-
-class ExtenderProcess:
+class ExtenderProcess(_Child):
     """``python -m gateway.cli extender --port 0 --redis URL``; ``url`` (with the prefix) once
     ready. Its decision log (stderr) goes to ``log_path``."""
 
@@ -118,22 +125,9 @@ class ExtenderProcess:
                 out.append(json.loads(line))
         return out
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (SIGKILL after ``timeout``); returns the exit status."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
 def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:

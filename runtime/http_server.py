@@ -55,23 +55,32 @@ class HeaderLimits:
     def from_env(cls) -> HeaderLimits:
         """``EMBER_HEADER_TIMEOUT`` (seconds) and ``EMBER_MAX_HEADER_BYTES`` (an integer); unset
         ones keep their defaults, bad ones raise ValueError naming the variable."""
-        values: dict[str, Any] = {}
-        for env, key, kind in (
-            ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
-            ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
-        ):
-            raw = os.environ.get(env)
-            if raw is None:
-                continue
-            try:
-                values[key] = kind(raw)
-            except ValueError:
-                raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+        values = env_values(
+            (
+                ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
+                ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
+            )
+        )
         try:
             return cls(**values)
         except ValueError as exc:
             given = [env for env in ("EMBER_HEADER_TIMEOUT", "EMBER_MAX_HEADER_BYTES") if env in os.environ]
             raise ValueError(f"{', '.join(given)}: {exc}") from None
+
+
+def env_values(table: tuple[tuple[str, str, type[int] | type[float]], ...]) -> dict[str, Any]:
+    """``{key: kind(os.environ[env])}`` for each ``(env, key, kind)`` that is set; ValueError
+    naming the variable when one does not parse (range checks are the config's own)."""
+    values: dict[str, Any] = {}
+    for env, key, kind in table:
+        raw = os.environ.get(env)
+        if raw is None:
+            continue
+        try:
+            values[key] = kind(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+    return values
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
