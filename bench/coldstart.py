@@ -65,6 +65,7 @@ DTYPE = "bfloat16"
 PROMPT = "What is the capital of France?"
 FUNCTION = "coldstart-bench"
 KEEP_ALIVE = "1s"
+REPLENISH_PAUSE_S = 0.5  # idle between warm-up requests, < KEEP_ALIVE
 ISOLATED_GAP_S = 0.3  # > the router's slot lease (0.25 s), < KEEP_ALIVE
 SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
 WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
@@ -285,7 +286,13 @@ def worker_token(home: Path, instance_id: str) -> str:
     it there; the HTTP API never shows it): calling the worker directly needs it."""
     import redis
 
-    client = redis.Redis(unix_socket_path=str(home / "redis" / "redis.sock"), decode_responses=True)
+    from scheduler.redis_server import read_password
+
+    client = redis.Redis(
+        unix_socket_path=str(home / "redis" / "redis.sock"),
+        password=read_password(home / "redis"),
+        decode_responses=True,
+    )
     try:
         token = client.hget(f"ember:instance:{instance_id}", "token")
     finally:
@@ -448,9 +455,12 @@ def main() -> None:
             out["sample_text"] = first["text"]
             # Warm-ups (at least 2) until the replacement pre-warmed worker is ready, so it does not
             # compete for the cores during the warm figures; each request renews the keep-alive.
+            # The pause leaves the cores idle: the replacement starts at SCHED_IDLE and back-to-back
+            # requests, which keep both cores busy, would starve it.
             give_up = time.monotonic() + WAIT_S
             for i in itertools.count():
                 b.stream_chat()
+                time.sleep(REPLENISH_PAUSE_S)
                 if i >= 1 and b.warm_workers() >= args.prewarm:
                     break
                 if time.monotonic() > give_up:

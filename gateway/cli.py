@@ -158,10 +158,11 @@ def _fail(verb: str, exc: Exception, code: int = 1) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.serve import ServeConfig, ServeError, serve
+    from gateway.serve import ServeConfig, ServeError, configure_logging, serve
     from gpu_pool.errors import ConfigError
 
     try:
+        configure_logging()
         config = ServeConfig.from_env(
             host=args.host, port=args.port, redis_url=args.redis, prewarm=args.prewarm
         )

@@ -108,6 +108,24 @@ class ServeConfig:
         return cls(**values)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(env: dict[str, str] | None = None) -> None:
+    """Log to stderr (``serve.log`` under ``ember serve --detach`` and the test spawner) at
+    ``EMBER_LOG_LEVEL`` (default ``info``: instance starts with their timings, restarts);
+    ValueError on a level not in :data:`LOG_LEVELS`. httpx's per-request lines stay off."""
+    import logging
+
+    level = (os.environ if env is None else env).get("EMBER_LOG_LEVEL", "info").strip().lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"EMBER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    for noisy in ("httpx", "httpcore"):  # one line per proxied request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 async def serve(config: ServeConfig) -> None:
     """Run the embedded mode until SIGINT/SIGTERM."""
     from gateway.compose import build_embedded

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from typing import Any
 import httpx
 
 from gpu_pool.acquire_report import AcquireReport
+from gpu_pool.errors import PoolError
 from runtime.agent_config import AgentConfig
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
@@ -45,6 +47,8 @@ from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageErr
 from runtime.process import boost
 from runtime.warm_pool import WarmPool
 from runtime.worker_handle import WorkerHandle, error_message
+
+log = logging.getLogger("ember.agent")
 
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
@@ -203,6 +207,14 @@ class NodeAgent:
         self._instances[instance_id] = worker
         await self._share_cores()
         timings = {k: round(float(v), 3) for k, v in reply.timings_ms.items()}
+        log.info(
+            "instance %s of %s started in worker %d: %s ms, %d bytes loaded",
+            instance_id,
+            name,
+            worker.pid,
+            timings,
+            reply.acquire.bytes_loaded,
+        )
         return InstanceStart(worker.url, worker.pid, reply.acquire, timings, str(log_path), worker.token)
 
     async def _assign_body(
@@ -299,7 +311,11 @@ class NodeAgent:
         for device, pool in self.pools.items():
             if not self.pool_alive(device):
                 continue  # being restarted: the next report has it again
-            stats = await asyncio.to_thread(read_stats, pool.socket_path)
+            try:
+                stats = await asyncio.to_thread(read_stats, pool.socket_path)
+            except (OSError, PoolError) as exc:  # it died since the check: supervision restarts it
+                log.info("no report for %s this time: its pool did not answer (%s)", device, exc)
+                continue
             record = device_record(self.config.node, device, stats, self._workers.report())
             out[self.device_id(device)] = record
             if self._report is not None:

@@ -25,6 +25,10 @@ class AgentConfig:
     # A replacement worker warming up beside a new instance slows that instance's first
     # requests (shared cores and caches, even at SCHED_IDLE): replenish a little later.
     replenish_delay_s: float = 2.0
+    # A worker pre-warms at SCHED_IDLE, which a steady load starves for good: the next cold
+    # start (or a crash's replacement) then finds no worker. Still starting after this long,
+    # it competes normally (seconds of shared cores, once, instead of an unbounded wait).
+    prewarm_idle_limit_s: float = 5.0
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
@@ -38,6 +42,8 @@ class AgentConfig:
             raise ValueError("arena_bytes must be at least 1 MiB")
         if self.replenish_delay_s < 0:
             raise ValueError("replenish_delay_s must be >= 0")
+        if self.prewarm_idle_limit_s <= 0:
+            raise ValueError("prewarm_idle_limit_s must be > 0")
         if self.prewarm < 0:
             raise ValueError("prewarm must be >= 0")
         if not self.node or "/" in self.node:

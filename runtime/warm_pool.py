@@ -11,7 +11,9 @@ Each worker gets its own credential over stdin and an environment stripped of se
 ``EMBER_WORKER_SANDBOX=off``, the confinement of :mod:`runtime.sandbox`. Starts that keep
 failing are retried with capped exponential backoff (shown in the device report:
 ``worker_failures``, ``backoff_s``, ``last_worker_error``); after two failures in a row a
-launch fails at once with the last error while the next try waits. Workers that mapped a
+launch fails at once with the last error while the next try waits. A worker starts at
+``SCHED_IDLE`` and leaves it when a launch waits for it or after ``prewarm_idle_limit_s``
+(a steady load would starve it for good). Workers that mapped a
 pool's arena before that pool died are *stale*: :meth:`~WarmPool.replace_stale` swaps them
 for fresh ones once the pool is back.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -38,6 +41,8 @@ from runtime.worker_handle import WorkerHandle, error_message
 from runtime.worker_spawn import SpawnBackoff, new_token, worker_environment
 
 MAX_SPAWN_ERRORS = 8  # start failures remembered for error messages
+
+log = logging.getLogger("ember.agent")
 
 
 class WarmPool:
@@ -140,6 +145,7 @@ class WarmPool:
             return
         assert worker is not None
         self.backoff.succeeded()
+        log.info("pre-warmed worker %d ready (%d ready now)", worker.pid, len(self._warm) + 1)
         self._warm.append(worker)
         self._ready.set()
 
@@ -171,6 +177,7 @@ class WarmPool:
             )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
+        aging = asyncio.create_task(self._age(proc.pid))
         try:
             with contextlib.suppress(OSError):  # a worker that died at once: reported below
                 proc.stdin.write(f"{token}\n".encode())  # not argv/env: /proc shows those
@@ -180,6 +187,7 @@ class WarmPool:
         except TimeoutError:
             line = b""
         finally:
+            aging.cancel()
             del self._spawning[proc.pid]
         if not line:
             with contextlib.suppress(ProcessLookupError):
@@ -189,6 +197,15 @@ class WarmPool:
             raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
         ready = json.loads(line)
         return WorkerHandle(proc, str(ready["url"]), log_path, token)
+
+    async def _age(self, pid: int) -> None:
+        """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config).
+        Repeated every period until it is ready: threads it starts later begin idle-class."""
+        await asyncio.sleep(self.config.prewarm_idle_limit_s)
+        log.info("pre-warmed worker %d still starting: it competes for the cores from now on", pid)
+        while pid in self._spawning:
+            boost(pid)
+            await asyncio.sleep(self.config.prewarm_idle_limit_s)
 
     # ----- taking ---------------------------------------------------------------------------------
 
@@ -201,7 +218,11 @@ class WarmPool:
                 worker = self._warm.pop(0)
                 if worker.running:
                     self._urgent.clear()
+                    stale = " (stale: mapped a dead pool's arena)" if worker.pid in self._stale else ""
+                    log.info("took pre-warmed worker %d%s; %d left", worker.pid, stale, len(self._warm))
                     return worker
+            if not self._urgent.is_set():
+                log.info("a launch waits for a pre-warmed worker (%d starting)", self._pending_spawns)
             self._urgent.set()
             backoff = self.backoff
             # Starts keep failing (not a one-off) and none is under way: say so now, not at the deadline.
@@ -252,6 +273,7 @@ class WarmPool:
             if not stale and not self._stale & set(self._spawning) and not short:
                 break
             if stale and len(self._warm) > prewarm:
+                log.info("replacing stale pre-warmed worker %d", stale[0].pid)
                 self._warm.remove(stale[0])
                 await stale[0].terminate(self.config.drain_timeout_s)
                 deadline = time.monotonic() + self.config.worker_start_timeout_s

@@ -58,3 +58,10 @@ def test_load_json_bounds_depth() -> None:
     for bad in (b"{", b"\xff", b"[1,]"):
         with pytest.raises(JSONError):
             load_json(bad)
+
+
+def test_a_bad_log_level_fails_loudly() -> None:
+    from gateway.serve import configure_logging
+
+    with pytest.raises(ValueError, match="EMBER_LOG_LEVEL must be one of"):
+        configure_logging({"EMBER_LOG_LEVEL": "loud"})

@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
+from bench.procs import alive, child_pids, kill
 from gateway.spawn import ServeProcess
 from gpu_pool.client import PoolClient
 from tests.gateway.conftest import chat_spec, instances, wait_for
-from tests.gateway.procs import alive, child_pids, kill
 
 pytestmark = pytest.mark.slow
 

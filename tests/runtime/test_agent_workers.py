@@ -5,6 +5,7 @@ Real processes: a pool daemon and ``python -m runtime`` workers serving the tiny
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -124,6 +125,42 @@ def test_failing_worker_starts_back_off_and_show_in_the_report(tmp_path: Path) -
             await agent.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_starving_at_sched_idle_competes_after_the_idle_limit(tmp_path: Path) -> None:
+    """Under a steady load a SCHED_IDLE start never finished (the pool was never replenished):
+    after ``prewarm_idle_limit_s`` the starting worker is moved to SCHED_OTHER."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    def policies(pid: int) -> set[int]:
+        out = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                out.add(os.sched_getscheduler(int(tid)))
+        return out
+
+    async def observe(limit_s: float) -> tuple[bool, bool]:
+        """(seen at SCHED_IDLE, then seen with every thread at SCHED_OTHER) while it starts.
+        Before its own set_idle_priority the worker is SCHED_OTHER: only a change back counts."""
+        agent = NodeAgent(agent_config(tmp_path / f"home-{limit_s}", prewarm=1, prewarm_idle_limit_s=limit_s))
+        idle = moved = False
+        try:
+            await agent.start()
+            deadline = time.monotonic() + 180
+            while not agent.warm():
+                assert time.monotonic() < deadline, agent.spawn_errors
+                for pid in list(agent._workers._spawning):
+                    with contextlib.suppress(OSError):
+                        seen = policies(pid)
+                        idle = idle or os.SCHED_IDLE in seen
+                        moved = moved or (idle and seen == {os.SCHED_OTHER})
+                await asyncio.sleep(0.05)
+        finally:
+            await agent.close()
+        return idle, moved
+
+    assert asyncio.run(observe(60.0)) == (True, False)  # the control: it pre-warms idle-class
+    assert asyncio.run(observe(0.5)) == (True, True)
 
 
 def test_backoff_doubles_up_to_its_cap_and_resets_on_success() -> None:

@@ -1,4 +1,4 @@
-"""Find ``ember serve``'s child processes through ``/proc`` (fault tests kill them)."""
+"""Find ``ember serve``'s child processes through ``/proc`` (the fault suite and fault tests kill them)."""
 
 from __future__ import annotations
 
