@@ -4,7 +4,8 @@ No kube-apiserver or container runtime here, so the pieces Kubernetes would run 
 processes, each of them real:
 
 * a **node** is a directory (its ``/var/run/ember``) with its own pool daemon (``gpu_pool``'s
-  :class:`PoolProcess`, a small CPU arena) on ``cpu.sock`` in it;
+  :class:`PoolProcess`, a small CPU arena) on ``cpu.sock`` in it, in the node's own network
+  namespace (``unshare --net``) where the kernel permits it (:func:`netns_available`);
 * a **node reporter** per node publishes the pool's stats as the node's device report
   (``<node>/cpu`` in Redis, :func:`device_report`) every ``report_interval_s``, and at once
   after a start or a stop; when the pool is gone it publishes nothing, so the report ages;
@@ -20,15 +21,20 @@ processes, each of them real:
   the bytes the pool loaded for it are the start's cost. Scaling to zero releases and closes it.
 
 Models are registered through the normal registry (:func:`runtime.registry.register`).
-Network namespaces per node are not used: the nodes share the host's network and differ by
-socket directory, which is all a pool and its workers share on a real node.
+A node's network namespace has only its own loopback: its pool is reached through the socket
+directory alone (a path-named Unix socket crosses network namespaces, as the hostPath mount
+does between a node's pods), which is all a pool and its workers share on a real node. The
+reporters, Redis (a Unix socket) and the extender (TCP on the host's loopback) stay in the
+harness's namespace: on a cluster they talk over the cluster network instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,11 +140,24 @@ def pod_manifest(fn: SimFunction, serial: int) -> dict[str, Any]:
     }
 
 
-class SimNode:
-    """A node: its pool directory and the pool daemon in it."""
+def netns_available() -> bool:
+    """Whether this process may create network namespaces (``unshare --net``)."""
+    try:
+        probe = subprocess.run(["unshare", "--net", "true"], check=False, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
 
-    def __init__(self, name: str, root: Path, arena: str | int, store_roots: Sequence[Path]) -> None:
+
+class SimNode:
+    """A node: its pool directory and the pool daemon in it (in its own network namespace
+    when ``netns``)."""
+
+    def __init__(
+        self, name: str, root: Path, arena: str | int, store_roots: Sequence[Path], netns: bool = False
+    ) -> None:
         self.name = name
+        self.netns = netns
         self.pool_dir = root / name / "var-run-ember"
         self.pool_dir.mkdir(parents=True)
         self.pool = PoolProcess(
@@ -147,7 +166,12 @@ class SimNode:
             env={"EMBER_POOL_PREFAULT": "false"},
             log_path=str(root / name / "pool.log"),
             store_roots=store_roots,
+            launcher=("unshare", "--net", "--") if netns else (),
         )
+
+    def net_namespace(self) -> str:
+        """The pool daemon's network namespace (``net:[inode]``)."""
+        return os.readlink(f"/proc/{self.pool.proc.pid}/ns/net")
 
     @property
     def socket_path(self) -> str:
@@ -274,8 +298,11 @@ class Cluster:
         arena: str | int = "1MiB",
         report_interval_s: float = 0.2,
         report_ttl_s: float = 1.0,
+        netns: bool | None = None,
     ) -> None:
+        """``netns``: each node's pool in its own network namespace (None: where permitted)."""
         self.root = root
+        self.netns = netns_available() if netns is None else netns
         self.redis: EmbeddedRedis | None = None
         self.state: ClusterState | None = None
         self.nodes: dict[str, SimNode] = {}
@@ -287,7 +314,7 @@ class Cluster:
             self.state = ClusterState.from_url(self.redis.url)
             for i in range(nodes):
                 name = f"node-{i}"
-                self.nodes[name] = SimNode(name, root, arena, store_roots)
+                self.nodes[name] = SimNode(name, root, arena, store_roots, self.netns)
                 self.reporters[name] = NodeReporter(self.nodes[name], self.state, report_interval_s)
                 self.reporters[name].start()
             # The reporters publish after every start and stop, so the extender reads Redis on

@@ -33,6 +33,7 @@ class PoolProcess:
         log_path: str | None = None,
         store_roots: Sequence[str | os.PathLike[str]] = (),
         session_kv_quota: int | None = None,
+        launcher: Sequence[str] = (),
     ) -> None:
         """Start the daemon and wait for its readiness line. ``log_path``: where its stderr
         goes (append); without it stderr is a pipe, which suits short-lived daemons only (a
@@ -41,11 +42,14 @@ class PoolProcess:
         ``EMBER_POOL_STORE`` in its environment, it refuses every acquire of tensors).
         ``session_kv_quota``: KV bytes a session without a ticket may hold; None (the default,
         until workers carry tickets from :meth:`gpu_pool.client.PoolClient.grant`) is
-        unlimited. ``EMBER_POOL_SESSION_KV_QUOTA`` in ``env`` takes precedence."""
+        unlimited. ``EMBER_POOL_SESSION_KV_QUOTA`` in ``env`` takes precedence. ``launcher``: a
+        command prefix that execs the daemon (``unshare --net --``: a simulated node's own
+        network namespace); ``proc`` is then the daemon once the prefix has exec'd it."""
         self.socket_path = str(socket_path)
         self.admin_token = secrets.token_urlsafe(32)
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed in stop())
         args = [
+            *launcher,
             sys.executable,
             "-m",
             "gpu_pool",

@@ -1,9 +1,11 @@
-"""The multi-node simulation (bench.cluster_sim): 3 nodes, each its own pool daemon and socket
-directory, one Redis, ``ember extender`` over HTTP, and a harness playing kube-scheduler with
-real ``v1.Pod`` documents. No cluster runs here: Kubernetes' part is the harness."""
+"""The multi-node simulation (bench.cluster_sim): 3 nodes, each its own pool daemon, socket
+directory and (where permitted) network namespace, one Redis, ``ember extender`` over HTTP, and
+a harness playing kube-scheduler with real ``v1.Pod`` documents. No cluster runs here:
+Kubernetes' part is the harness."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -82,3 +84,11 @@ def test_a_node_whose_pool_died_is_filtered_out(
         assert "pool down" in logged["extender.filter"]["nodes"][home]["failed"]
         assert cluster.reporters[home].failures > 0
         cluster.stop(instance)
+
+
+def test_each_node_pool_runs_in_its_own_network_namespace(cluster: Cluster) -> None:
+    """The pools share nothing with each other or the harness but their socket directories."""
+    if not cluster.netns:
+        pytest.skip("unshare --net is refused here: the nodes share the host's network")
+    namespaces = {node.net_namespace() for node in cluster.nodes.values()}
+    assert len(namespaces) == 3 and os.readlink("/proc/self/ns/net") not in namespaces
