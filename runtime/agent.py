@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ import httpx
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.errors import PoolError
 from runtime.agent_config import AgentConfig
+from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
 from runtime.errors import LaunchError
@@ -86,6 +88,7 @@ class NodeAgent:
         self._workers = WarmPool(config, self._http, self._pools.sockets)
         self._instances: dict[str, WorkerHandle] = {}
         self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
+        self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
 
     @property
     def pools(self) -> dict[str, Any]:
@@ -277,15 +280,25 @@ class NodeAgent:
             await worker.terminate(self.config.drain_timeout_s)
             await self._share_cores()
 
-    async def _share_cores(self) -> None:
-        """Give each CPU instance ``cores // instances`` intra-op threads (at least one)."""
-        workers = [w for w in self._instances.values() if w.running]
-        if not workers:
+    async def _share_cores(self, measure: bool = False) -> None:
+        """Give each CPU instance its share of intra-op threads (:mod:`runtime.cpu_share`: the
+        cores others leave, split among instances); ``measure``: take a CPU sample first (the
+        periodic report), else reuse the last decision (an instance started or ended)."""
+        workers = [w for w in self._instances.values() if w.running and w.device == "cpu"]
+        per = self._cpu_share.decide(
+            time.monotonic(), [w.pid for w in workers], self._workers.idle_pids(), measure
+        )
+        if per is None:
             return
-        per = min(MAX_THREADS, max(1, (os.cpu_count() or 1) // len(workers)))
         for w in workers:
+            if w.threads == per:
+                continue
             with contextlib.suppress(httpx.HTTPError):
-                await w.post(self._http, "threads", ThreadsMessage(per).to_json(), timeout=5.0)
+                resp = await w.post(self._http, "threads", ThreadsMessage(per).to_json(), timeout=5.0)
+                if resp.status_code == 200:
+                    if w.threads is not None:
+                        log.info("instance worker %d: %d intra-op threads (was %d)", w.pid, per, w.threads)
+                    w.threads = per
 
     def alive(self, instance_id: str) -> bool:
         """Whether this agent runs ``instance_id`` and its process lives."""
@@ -320,6 +333,7 @@ class NodeAgent:
             out[self.device_id(device)] = record
             if self._report is not None:
                 await asyncio.to_thread(self._report, self.device_id(device), record)
+        await self._share_cores(measure=True)  # about once a second: see runtime.cpu_share
         return out
 
     # ----- pools ------------------------------------------------------------------------------------

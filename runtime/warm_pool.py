@@ -88,6 +88,10 @@ class WarmPool:
         """The pre-warmed workers ready now."""
         return list(self._warm)
 
+    def idle_pids(self) -> list[int]:
+        """Processes of the workers ready or starting (SCHED_IDLE while they pre-warm)."""
+        return [w.pid for w in self._warm] + list(self._spawning)
+
     def any_ready(self) -> bool:
         """Whether one is ready to take a function (always true with prewarm 0)."""
         return self.config.prewarm == 0 or any(w.running for w in self._warm)

@@ -29,6 +29,7 @@ class WorkerHandle:
     log_path: Path
     token: str
     device: str = ""  # the pool device its instance runs on ("" while pre-warmed)
+    threads: int | None = None  # intra-op threads the agent last gave its instance (None: none yet)
 
     @property
     def pid(self) -> int:
