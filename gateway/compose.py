@@ -392,7 +392,9 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
         record = state.function(function_id)
         if record.model is None:
             raise ValueError(f"function {function_id!r}: its model is not registered yet")
-        instance = PodInstanceRecord.create(state, function_id, cluster_keys.device_id(node))
+        instance = PodInstanceRecord.create(
+            state, function_id, cluster_keys.device_id(node), config.record_ttl_s
+        )
     except BaseException:
         state.close()
         raise

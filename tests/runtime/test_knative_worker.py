@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from gpu_pool.client import PoolClient
 from runtime.drain import Lifecycle
-from runtime.knative_worker import DEFAULT_GRACE_S, KnativeConfig, Revision
+from runtime.knative_worker import DEFAULT_GRACE_S, DEFAULT_REFRESH_S, KnativeConfig, Revision
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler.state import ClusterState
 from tests.conftest import PoolProcess, wait_until
@@ -51,6 +52,8 @@ def test_config_follows_the_pod_environment() -> None:
                                         "k_configuration": "chat"}  # fmt: skip
     default = KnativeConfig.from_env({})
     assert (default.port, default.grace_s, default.url) == (8080, DEFAULT_GRACE_S, "")
+    assert (default.refresh_s, default.record_ttl_s) == (DEFAULT_REFRESH_S, 3 * DEFAULT_REFRESH_S)
+    assert KnativeConfig.from_env({"EMBER_RECORD_REFRESH_SECONDS": "0.5"}).record_ttl_s == 1.5
     assert KnativeConfig.from_env({"POD_IP": "fd00::1"}).url == "http://[fd00::1]:8080"
     assert Revision().fields() == {}
 
@@ -68,6 +71,9 @@ def test_config_follows_the_pod_environment() -> None:
         ({"EMBER_GRACE_SECONDS": "1e9"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_GRACE_SECONDS": "soon"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_POOL_WAIT_SECONDS": "-1"}, "EMBER_POOL_WAIT_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "0.01"}, "EMBER_RECORD_REFRESH_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "inf"}, "EMBER_RECORD_REFRESH_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "often"}, "EMBER_RECORD_REFRESH_SECONDS"),
         ({"POD_IP": "10.0.0.300"}, "10.0.0.300"),
         ({"K_REVISION": "x" * 300}, "K_REVISION"),
     ],
@@ -213,3 +219,41 @@ def test_a_pod_whose_pool_never_comes_fails_and_leaves_no_record(
             proc.wait()
     assert "cpu.sock" in read(logs / "stderr") and "waited 1 s" in read(logs / "stderr")
     assert state.instances("tiny") == []
+
+
+@pytest.mark.slow
+def test_a_sigkilled_pods_record_expires_while_a_live_pods_is_renewed(
+    home: Home, state: ClusterState, pod: tuple[dict[str, str], Path, Path]
+) -> None:
+    """Regression (issue 11): a pod killed outright (OOM kill, node loss) never removes its
+    record; the record expires unless the worker's heartbeat renews it, starting or ready."""
+    env, pool_dir, logs = pod
+    env["EMBER_RECORD_REFRESH_SECONDS"] = "0.25"  # TTL 0.75 s
+    url = f"http://127.0.0.1:{env['PORT']}"
+    proc = start_worker(["--function", "tiny"], env, logs)
+    pool = None
+    try:
+        wait_status(f"{url}/readyz", 503, proc, logs, timeout=120)  # starting: no pool yet
+        (starting,) = state.instances("tiny")
+        key = f"{state.p}instance:{starting.instance_id}"
+        assert 0 < state.r.pttl(key) <= 750
+        time.sleep(2.0)  # well past the TTL: the heartbeat renews it while the pod waits
+        assert [i.state for i in state.instances("tiny")] == ["starting"]
+        pool = PoolProcess(pool_dir / "cpu.sock", "16MiB", store=(home.model.store_path,))
+        wait_status(f"{url}/readyz", 200, proc, logs, timeout=60)
+        time.sleep(1.5)
+        (ready,) = state.instances("tiny")
+        assert (ready.instance_id, ready.state) == (starting.instance_id, "ready")
+        assert 0 < state.r.pttl(key) <= 750
+
+        proc.send_signal(signal.SIGKILL)  # no SIGTERM, no gone(): only the TTL removes it
+        proc.wait(timeout=10)
+        wait_until(lambda: state.instances("tiny") == [], timeout=5)
+        assert not state.r.exists(key) and not state.r.exists(f"{state.p}fn:tiny:instances")
+        assert state.functions_with_instances() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pool is not None:
+            pool.stop()
