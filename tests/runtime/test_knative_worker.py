@@ -4,6 +4,7 @@ here: the pod's environment is what a rendered revision gives its container."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -17,6 +18,10 @@ from gpu_pool.client import PoolClient
 from runtime.drain import Lifecycle
 from runtime.knative_worker import DEFAULT_GRACE_S, DEFAULT_REFRESH_S, KnativeConfig, Revision
 from runtime.worker_guard import TOKEN_HEADER
+from scheduler import cluster_keys
+from scheduler.knative.config import KnativeConfig as ServiceConfig
+from scheduler.knative.handler_code import HandlerCode
+from scheduler.knative.render import render_record
 from scheduler.state import ClusterState
 from tests.conftest import PoolProcess, wait_until
 from tests.runtime.pod_worker import (
@@ -257,3 +262,64 @@ def test_a_sigkilled_pods_record_expires_while_a_live_pods_is_renewed(
             proc.wait()
         if pool is not None:
             pool.stop()
+
+
+MOUNTED_HANDLER = """
+def handler(event, context):
+    return {"echo": event, "file": __file__}
+"""
+
+
+def configmap_mount(directory: Path, data: dict[str, str]) -> None:
+    """What the kubelet makes of a configMap volume: the keys as symlinks through ``..data`` to a
+    timestamped directory (which is how it swaps contents atomically), all read-only."""
+    stamp = directory / "..2025_01_01_00_00_00.000000001"
+    stamp.mkdir(parents=True)
+    for key, text in data.items():
+        (stamp / key).write_text(text)
+        (stamp / key).chmod(0o444)
+        (directory / key).symlink_to(f"..data/{key}")
+    (directory / "..data").symlink_to(stamp.name)
+
+
+@pytest.mark.slow
+def test_a_pod_runs_the_custom_handler_from_its_mounted_configmap(
+    home: Home, state: ClusterState, pod: tuple[dict[str, str], Path, Path]
+) -> None:
+    """Issue 11: the function's record names the module where the gateway stored it (a path no
+    pod has); the rendered revision mounts the module's ConfigMap under the pod's functions root
+    and names it in EMBER_FUNCTION_HANDLER; the worker loads and serves it from there."""
+    env, pool_dir, logs = pod
+    code = HandlerCode("echo.py", "handler", MOUNTED_HANDLER)
+    document = state.function("tiny").spec
+    document["spec"]["handler"] = f"/srv/gateway/functions/default/tiny/{code.digest}/echo.py:handler"
+    model = state.function("tiny").model
+    state.put_function("tiny", document, model)
+    rendered = render_record(state.function("tiny"), ServiceConfig(), code)
+    assert rendered.config_map is not None
+    (container,) = rendered.service["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "ember-handler"]
+    (handler_env,) = [e for e in container["env"] if e["name"] == "EMBER_FUNCTION_HANDLER"]
+    # The pod's EMBER_HOME is this test's home: the mount lands at the same place under it.
+    relative = Path(mount["mountPath"]).relative_to(f"{cluster_keys.NODE_HOME}/functions")
+    mounted = home.path / "functions" / relative
+    configmap_mount(mounted, rendered.config_map["data"])
+    env["EMBER_FUNCTION_HANDLER"] = handler_env["value"]
+
+    url = f"http://127.0.0.1:{env['PORT']}"
+    pool = PoolProcess(pool_dir / "cpu.sock", "16MiB", store=(home.model.store_path,))
+    proc = start_worker(["--function", "tiny"], env, logs)
+    try:
+        wait_status(f"{url}/readyz", 200, proc, logs, timeout=120)
+        auth = {TOKEN_HEADER: env["EMBER_WORKER_TOKEN"]}
+        answer = httpx.post(f"{url}/invoke", json={"hi": 1}, headers=auth, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["echo"] == {"hi": 1}
+        assert Path(answer.json()["file"]).is_relative_to(os.path.realpath(mounted))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, read(logs / "stderr")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pool.stop()

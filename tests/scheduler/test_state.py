@@ -148,7 +148,10 @@ def test_an_expiring_record_goes_unless_refreshed_and_readers_tolerate_it(state:
     state.r.delete(f"{state.p}instance:{kept}")
     state.r.srem(f"{state.p}fn:f:instances", kept)
     assert not state.refresh_instance("f", kept, 0.3, fields)
-    assert [(i.instance_id, i.state) for i in state.instances("f")] == [(kept, "starting"), (plain, "starting")]
+    assert [(i.instance_id, i.state) for i in state.instances("f")] == [
+        (kept, "starting"),
+        (plain, "starting"),
+    ]
     assert 0 < state.r.pttl(f"{state.p}instance:{kept}") <= 300
     with pytest.raises(ValueError, match="TTL"):
         state.add_instance("f", "n/cpu", ttl_s=0.0)
