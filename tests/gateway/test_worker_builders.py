@@ -166,6 +166,32 @@ def test_missing_function_bad_id_and_unregistered_model(
     assert state.instances("chat") == []
 
 
+def test_a_pods_handler_is_its_revisions_mounted_module(
+    redis_server: EmbeddedRedis, state: ClusterState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMBER_FUNCTION_HANDLER (rendered with the ConfigMap mount) replaces the record's handler,
+    a path on the gateway; it must name a module in the function's own directory."""
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    document = {**DOCUMENT, "spec": {**DOCUMENT["spec"], "handler": "/gateway/functions/x/hello.py:handler"}}
+    state.put_function("team-a/chat", document, ModelRef("tiny-abc-fp32", "/models/tiny-abc-fp32", 1000))
+    digest = "0123456789abcdef01234567"
+    env = _env(redis_server, tmp_path, EMBER_FUNCTION_HANDLER=f"team-a/chat/{digest}/hello.py:handler")
+    worker = build_knative_worker("team-a/chat", env, 1 << 20)
+    functions = tmp_path / "home" / "functions"
+    assert worker.assignment.handler == f"{functions}/team-a/chat/{digest}/hello.py:handler"
+    worker.record.gone()
+    for bad in (
+        f"team-a/other/{digest}/hello.py:handler",  # another function's directory
+        "team-a/chat/../hello.py:handler",
+        f"/abs/team-a/chat/{digest}/hello.py:handler",
+        f"team-a/chat/{digest}/hello.txt:handler",
+        "hello.py:handler",
+    ):
+        with pytest.raises(ValueError, match="EMBER_FUNCTION_HANDLER"):
+            build_knative_worker("team-a/chat", {**env, "EMBER_FUNCTION_HANDLER": bad}, 1 << 20)
+    assert state.instances("team-a/chat") == []
+
+
 # ----- OpenWhisk -------------------------------------------------------------------------------------
 
 
