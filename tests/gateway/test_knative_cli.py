@@ -1,6 +1,7 @@
-"""``ember deploy -f F.yaml --target knative`` prints the function's Knative Service and token
-Secret without a gateway or a cluster (as ``func`` and ``kn`` do): the spec is validated
-locally, the model's annotations come from the local model store when it holds the model."""
+"""``ember deploy -f F.yaml --target knative`` prints the function's Knative Service, token
+Secret and (custom handlers) code ConfigMap without a gateway or a cluster (as ``func`` and
+``kn`` do): the spec is validated locally, the model's annotations come from the local model
+store when it holds the model."""
 
 from __future__ import annotations
 
