@@ -367,7 +367,7 @@ def _deploy(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError) as exc:
         return _fail("deploy", exc, 2)
     if args.target == "knative":
-        return _print_knative(document)
+        return _print_knative(document, args.file)
     try:
         body = with_handler_module(document, args.file)
     except (OSError, ValueError) as exc:
@@ -381,23 +381,28 @@ def _deploy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_knative(document: Any) -> int:
-    """The function's Knative Service and token Secret as YAML on stdout (the token left out:
-    the gateway derives it when it deploys); warnings on stderr."""
+def _print_knative(document: Any, spec_file: Path) -> int:
+    """The function's handler ConfigMap (a custom handler's module, read from beside the YAML),
+    Knative Service and token Secret as YAML on stdout (the token left out: the gateway derives
+    it when it deploys); warnings on stderr."""
     import yaml
 
     from gateway.compose import knative_manifests
     from runtime.registry import ember_home
 
     try:
-        manifests = knative_manifests(document, ember_home())
-    except ValueError as exc:  # SpecError, or a bad EMBER_KNATIVE_* setting
+        manifests = knative_manifests(document, ember_home(), spec_file)
+    except (OSError, ValueError) as exc:  # SpecError, a bad EMBER_KNATIVE_* setting, no module
         return _fail("deploy", exc, 2)
     rendered = manifests.rendered
     for note in rendered.notes:
         print(f"ember deploy: note: {note}", file=sys.stderr)
     for warning in manifests.warnings:
         print(f"ember deploy: warning: {warning}", file=sys.stderr)
+    if rendered.config_map is not None:
+        print("# The handler's code: apply it before the Service (its pods mount it).")
+        print(yaml.safe_dump(rendered.config_map, sort_keys=False), end="")
+        print("---")
     print(yaml.safe_dump(rendered.service, sort_keys=False), end="")
     print("---")
     print("# stringData.token is left out: `ember gateway` sets it when it deploys the function")

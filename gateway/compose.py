@@ -17,6 +17,7 @@ Service in place of the router's instances. :func:`knative_manifests` renders a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
     from runtime.messages import AssignMessage
     from runtime.supervisor import SpawnThread
     from scheduler.knative.deployments import KnativeDeployments
+    from scheduler.knative.handler_code import HandlerCode
     from scheduler.knative.render import Rendered
-    from scheduler.records import ModelRef
+    from scheduler.records import FunctionRecord, ModelRef
     from scheduler.redis_server import EmbeddedRedis
     from scheduler.router import Router
     from scheduler.state import ClusterState
@@ -191,6 +193,13 @@ class ClusterNode:
         self.state.close()
 
 
+def _stored_code(config: FunctionCodeConfig, record: FunctionRecord) -> HandlerCode:
+    """The custom handler module the gateway stored for ``record`` (to render its ConfigMap)."""
+    from gateway.function_code import read_stored
+
+    return read_stored(config, record.function_id, str(record.spec["spec"]["handler"]))
+
+
 def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
     """Cluster mode's gateway over ``config.redis_url``: deploys and deletes apply Knative
     Services (:mod:`scheduler.knative`), invocations go to their cluster-local URLs. Call it on
@@ -201,14 +210,17 @@ def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
     from scheduler.knative.targets import ServiceTargets
     from scheduler.state import ClusterState
 
-    gateway_config = GatewayConfig(api_key=config.api_key, limits=EdgeLimits.from_env())
+    # Uploaded handler modules are kept here, then rendered as ConfigMaps for the pods.
+    code = FunctionCodeConfig.from_env(config.home)
+    gateway_config = GatewayConfig(api_key=config.api_key, limits=EdgeLimits.from_env(), code=code)
     backend = make_backend(config.knative)  # no Kubernetes credentials: fail now, not at the first deploy
     try:
         state = ClusterState.from_url(config.redis_url)
     except BaseException:
         backend.close()
         raise
-    deployments = KnativeDeployments(config.knative, config.tokens, backend)
+    read_code = functools.partial(_stored_code, code)
+    deployments = KnativeDeployments(config.knative, config.tokens, backend, read_code)
     targets = ServiceTargets(config.knative, config.tokens)
     metrics = Metrics(devices=state.devices)
     invoker = Invoker(state, targets, metrics, ProxyConfig(request_timeout_s=config.request_timeout_s))
@@ -254,11 +266,14 @@ class KnativeManifests:
     warnings: tuple[str, ...]
 
 
-def knative_manifests(document: Any, home: Path) -> KnativeManifests:
+def knative_manifests(document: Any, home: Path, spec_file: Path | None = None) -> KnativeManifests:
     """Render a spec document locally: no gateway, no cluster. The model's id and weight bytes
     come from the local model store when the model is registered there (matched by source and
-    dtype, the newest registration first); otherwise they are left out, with a warning.
-    Raises :class:`scheduler.spec.SpecError` and :class:`ValueError` (bad ``EMBER_KNATIVE_*``)."""
+    dtype, the newest registration first); otherwise they are left out, with a warning. A
+    custom handler's module is read from beside ``spec_file`` (its ConfigMap is rendered too).
+    Raises :class:`scheduler.spec.SpecError`, :class:`ValueError` (bad ``EMBER_KNATIVE_*``, a
+    module that cannot be read) and :class:`OSError` (a missing module)."""
+    from gateway.function_code import local_handler_code
     from scheduler import names
     from scheduler.knative.config import KnativeConfig
     from scheduler.knative.render import render_record
@@ -268,8 +283,9 @@ def knative_manifests(document: Any, home: Path) -> KnativeManifests:
     spec = parse_function(document)
     function_id = names.qualified(spec.metadata.namespace, spec.name)
     model = registered_model(spec.spec.model.source, spec.spec.model.dtype, home)
+    code = local_handler_code(document, spec_file) if spec_file is not None else None
     rendered = render_record(
-        FunctionRecord.create(function_id, spec.to_document(), model), KnativeConfig.from_env()
+        FunctionRecord.create(function_id, spec.to_document(), model), KnativeConfig.from_env(), code
     )
     warnings = []
     if model is None:
@@ -340,6 +356,7 @@ if TYPE_CHECKING:
 WORKER_TOKEN_ENV = "EMBER_WORKER_TOKEN"  # the worker's credential in a function pod (a Secret)
 FUNCTION_SPEC_ENV = "EMBER_FUNCTION_SPEC"  # an OpenWhisk image's own spec, for an /init without code
 INIT_TIMEOUT_S = 300.0  # a handler's static initializer must finish within this
+MAX_HANDLER_REF = 512  # characters of EMBER_FUNCTION_HANDLER
 
 
 @dataclass(frozen=True)
@@ -358,8 +375,11 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
     ``env`` is the pod's environment: ``EMBER_WORKER_TOKEN`` and ``EMBER_REDIS_URL`` (with
     ``EMBER_REDIS_PASSWORD`` joined in, :mod:`gateway.redis_auth`) and ``EMBER_NODE_NAME``
     are required; the pool is ``$EMBER_POOL_DIR/cpu.sock``; :class:`KnativeConfig` reads the
-    rest. ValueError for a bad or missing setting or an unregistered model; the scheduler's
-    errors for Redis (:class:`~scheduler.errors.FunctionNotFound` when it is not deployed).
+    rest. A custom handler's module is the revision's own, mounted from its ConfigMap:
+    ``EMBER_FUNCTION_HANDLER`` (:func:`pod_handler`) replaces the record's handler, which is a
+    path on the gateway. ValueError for a bad or missing setting or an unregistered model; the
+    scheduler's errors for Redis (:class:`~scheduler.errors.FunctionNotFound` when it is not
+    deployed).
     """
     import re
     import time
@@ -370,6 +390,7 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
     from runtime.messages import AssignMessage
     from runtime.worker_guard import GuardConfig
     from scheduler import cluster_keys, names
+    from scheduler.knative import handler_code
     from scheduler.state import ClusterState
 
     namespace, name = names.split(function_id)
@@ -380,6 +401,7 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
         raise ValueError(f"{WORKER_TOKEN_ENV} is required: the credential the gateway calls this worker with")
     guard = GuardConfig(token, max_body_bytes)
     config = KnativeConfig.from_env(env)
+    handler = pod_handler(function_id, env.get(handler_code.HANDLER_ENV, ""))
     node = env.get(cluster_keys.NODE_NAME_ENV, "").strip()
     if len(node) > 253 or not re.fullmatch(r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?", node):  # a DNS subdomain
         raise ValueError(f"{cluster_keys.NODE_NAME_ENV} must be the pod's node name (downward API)")
@@ -392,14 +414,19 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
         record = state.function(function_id)
         if record.model is None:
             raise ValueError(f"function {function_id!r}: its model is not registered yet")
-        instance = PodInstanceRecord.create(state, function_id, cluster_keys.device_id(node))
+        instance = PodInstanceRecord.create(
+            state, function_id, cluster_keys.device_id(node), config.record_ttl_s
+        )
     except BaseException:
         state.close()
         raise
+    spec = record.spec
+    if handler is not None:
+        spec = {**spec, "spec": {**spec["spec"], "handler": handler}}
     try:
         assignment = AssignMessage(
             instance.instance_id,
-            record.spec,
+            spec,
             record.model.dir,
             str(pool_dir / cluster_keys.CPU_SOCKET),
             None,  # no ticket: the node's pool gives sessions without one its session KV quota
@@ -409,6 +436,34 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
         instance.gone()
         raise
     return KnativeWorker(config, assignment, guard, instance)
+
+
+def pod_handler(function_id: str, value: str) -> str | None:
+    """The absolute handler reference of a pod's ``EMBER_FUNCTION_HANDLER``
+    (``NAMESPACE/NAME/<digest>/module.py:function`` under the functions root, in the function's
+    own directory: :mod:`scheduler.knative.handler_code`); None when unset. ValueError else."""
+    from runtime.sdk.handler import functions_root
+    from scheduler import names
+    from scheduler.knative.handler_code import HANDLER_ENV, split_ref
+
+    if not value:
+        return None
+    module_text, _, function = value.rpartition(":")
+    parts = module_text.split("/")
+    digest = parts[2] if len(parts) == 4 else ""
+    try:
+        split_ref(value)
+        named = True
+    except ValueError:
+        named = False
+    if not named or len(value) > MAX_HANDLER_REF or not (digest.isascii() and digest.isalnum()) or (
+        tuple(parts[:2]) != names.split(function_id)
+    ):  # fmt: skip
+        raise ValueError(
+            f"{HANDLER_ENV} must be NAMESPACE/NAME/DIGEST/module.py:function in {function_id}'s own "
+            f"directory, got {value[:200]!r}"
+        )
+    return f"{functions_root().joinpath(*parts)}:{function}"
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,15 @@ configured handler root (``EMBER_HANDLER_ROOTS``, compared after ``os.path.realp
 gateway copies them in the same way. Anything else (``..``, another absolute path, a symlink
 out, a module that does not exist) gets one message, whichever the case, so a deployer
 cannot probe the server's files.
+
+In cluster mode the stored module reaches the worker pods as a ConfigMap
+(:mod:`scheduler.knative.handler_code`, whose digest names the directory here):
+:func:`read_stored` reads it back for rendering, :func:`local_handler_code` reads the one
+beside a YAML for ``ember deploy --target knative``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -28,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.knative.handler_code import MAX_MODULE_BYTES, HandlerCode, code_digest, split_ref
+from scheduler.knative.handler_code import MODULE_NAME as _MODULE_NAME
 from scheduler.spec import SpecError
 
+__all__ = [
+    "HANDLER_ROOTS_ENV", "MAX_FILES", "MAX_MODULE_BYTES", "FunctionCodeConfig", "local_handler_code",
+    "not_allowed", "read_stored", "split_upload", "store_handler", "with_handler_module",
+]  # fmt: skip
 HANDLER_ROOTS_ENV = "EMBER_HANDLER_ROOTS"
-MAX_MODULE_BYTES = 256 << 10  # one handler module's UTF-8 source (within the deploy body cap)
 MAX_FILES = 1  # the handler module itself (helpers belong in an installed package)
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}\.py$")
 _TMP_PREFIX = ".tmp-"
 _FUNCTION_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # DNS-1123 label, as specs
 
@@ -144,6 +152,40 @@ def with_handler_module(document: Any, spec_file: Path) -> Any:
     return {"function": function_spec, "files": {path.name: source}}
 
 
+def read_stored(config: FunctionCodeConfig | None, function_id: str, handler: str) -> HandlerCode:
+    """The module a stored function's handler names (what cluster mode renders as a
+    ConfigMap): it must lie in the function's own code directory. :class:`SpecError` else."""
+    module, function = split_ref(handler)
+    if config is None:
+        raise not_allowed(handler)
+    path = Path(os.path.realpath(handler.rpartition(":")[0]))
+    if not path.is_relative_to(os.path.realpath(config.function_dir(function_id))) or not path.is_file():
+        raise not_allowed(handler)
+    try:
+        with open(path, "rb") as f:
+            encoded = f.read(MAX_MODULE_BYTES + 1)
+        source = encoded.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise not_allowed(handler) from None
+    if len(encoded) > MAX_MODULE_BYTES:
+        raise SpecError(f"spec.handler: the module is larger than {MAX_MODULE_BYTES} bytes")
+    return HandlerCode(module, function, source)
+
+
+def local_handler_code(document: Any, spec_file: Path) -> HandlerCode | None:
+    """The handler module of ``document`` read from beside ``spec_file`` (``ember deploy
+    --target knative``, no gateway); None for the default handler. :class:`SpecError` for a
+    module that cannot be read."""
+    try:
+        body = with_handler_module(document, spec_file)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise SpecError(f"spec.handler: cannot read its module beside {spec_file.name}: {exc}") from None
+    if body is document:
+        return None
+    (module, source), function = next(iter(body["files"].items())), body["function"]["spec"]["handler"]
+    return HandlerCode(module, split_ref(function)[1], source)
+
+
 def _read_from_roots(config: FunctionCodeConfig, name: str, module_text: str, handler: str) -> str:
     """An absolute module path under a handler root (or this function's own stored code)."""
     if not os.path.isabs(module_text) or "\0" in module_text:
@@ -171,7 +213,7 @@ def _check_python(module_name: str, source: str) -> None:
 
 def _write(directory: Path, module_name: str, encoded: bytes) -> Path:
     """Write the module into ``directory/<digest>/`` once (0700/0600), atomically."""
-    digest = hashlib.sha256(module_name.encode() + b"\0" + encoded).hexdigest()[:24]
+    digest = code_digest(module_name, encoded)
     final = directory / digest
     if not (final / module_name).is_file():
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -11,6 +11,10 @@ What Knative's runtime contract (``../shared/knative/runtime-contract.md``) asks
   stay resident) and the process exits 0;
 * ``K_SERVICE``, ``K_REVISION`` and ``K_CONFIGURATION`` go into the instance's record.
 
+The instance's record expires ``RECORD_TTL_BEATS`` heartbeats after its last renewal
+(:mod:`runtime.heartbeat`, every ``EMBER_RECORD_REFRESH_SECONDS``): a SIGKILLed pod, which
+cannot remove it, leaves no record behind for long.
+
 Its pool is the node's CPU pool daemon (a DaemonSet) on the socket the composition root
 found under ``EMBER_POOL_DIR``; a pod that starts before its node's pool keeps trying for
 ``EMBER_POOL_WAIT_SECONDS``. Every route but the two probes needs the worker's credential
@@ -35,6 +39,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from runtime.drain import Lifecycle, listen, serve_draining
+from runtime.heartbeat import Heartbeat
 from runtime.messages import AssignMessage
 from runtime.worker import WorkerState, assign, build_app
 from runtime.worker_guard import GuardConfig, WorkerGuard
@@ -49,6 +54,11 @@ GRACE_ENV = "EMBER_GRACE_SECONDS"
 DEFAULT_GRACE_S = 25.0
 POOL_WAIT_ENV = "EMBER_POOL_WAIT_SECONDS"
 DEFAULT_POOL_WAIT_S = 120.0  # a node's pool DaemonSet may start after the node's first function pod
+REFRESH_ENV = "EMBER_RECORD_REFRESH_SECONDS"
+DEFAULT_REFRESH_S = 10.0
+MIN_REFRESH_S = 0.1  # each beat is one Redis round trip per pod
+MAX_REFRESH_S = 600.0
+RECORD_TTL_BEATS = 3  # a record outlives two missed beats (a Redis failover), not a dead pod
 MAX_SECONDS = 3600.0
 MAX_NAME = 253  # characters of a Kubernetes object name (K_SERVICE, K_REVISION, K_CONFIGURATION)
 _POOL_RETRY_S = 0.5
@@ -84,6 +94,7 @@ class KnativeConfig:
     port: int = DEFAULT_PORT
     grace_s: float = DEFAULT_GRACE_S
     pool_wait_s: float = DEFAULT_POOL_WAIT_S
+    refresh_s: float = DEFAULT_REFRESH_S  # the heartbeat's period; the record's TTL is a multiple
     pod_ip: str | None = None  # POD_IP (downward API): the instance record's URL
     revision: Revision = field(default_factory=Revision)
     host: str = "0.0.0.0"  # every interface: queue-proxy reaches the container on the pod's IP
@@ -95,8 +106,15 @@ class KnativeConfig:
             raise ValueError(f"{GRACE_ENV} must be more than 0 and at most {MAX_SECONDS:g} seconds")
         if not math.isfinite(self.pool_wait_s) or not 0 <= self.pool_wait_s <= MAX_SECONDS:
             raise ValueError(f"{POOL_WAIT_ENV} must be 0 to {MAX_SECONDS:g} seconds")
+        if not math.isfinite(self.refresh_s) or not MIN_REFRESH_S <= self.refresh_s <= MAX_REFRESH_S:
+            raise ValueError(f"{REFRESH_ENV} must be {MIN_REFRESH_S:g} to {MAX_REFRESH_S:g} seconds")
         if self.pod_ip is not None:
             ipaddress.ip_address(self.pod_ip)  # ValueError names the bad address
+
+    @property
+    def record_ttl_s(self) -> float:
+        """How long the instance's record outlives its last heartbeat."""
+        return RECORD_TTL_BEATS * self.refresh_s
 
     @property
     def url(self) -> str:
@@ -108,8 +126,9 @@ class KnativeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KnativeConfig:
-        """``PORT``, ``EMBER_GRACE_SECONDS``, ``EMBER_POOL_WAIT_SECONDS``, ``POD_IP``, ``K_*``;
-        ValueError naming the variable for a bad value."""
+        """``PORT``, ``EMBER_GRACE_SECONDS``, ``EMBER_POOL_WAIT_SECONDS``,
+        ``EMBER_RECORD_REFRESH_SECONDS``, ``POD_IP``, ``K_*``; ValueError naming the variable
+        for a bad value."""
 
         def number(name: str, default: float) -> float:
             text = env.get(name, "").strip()
@@ -128,6 +147,7 @@ class KnativeConfig:
             port=int(port_text) if port_text else DEFAULT_PORT,
             grace_s=number(GRACE_ENV, DEFAULT_GRACE_S),
             pool_wait_s=number(POOL_WAIT_ENV, DEFAULT_POOL_WAIT_S),
+            refresh_s=number(REFRESH_ENV, DEFAULT_REFRESH_S),
             pod_ip=env.get("POD_IP", "").strip() or None,
             revision=revision,
         )
@@ -136,13 +156,17 @@ class KnativeConfig:
 class InstanceReporter(Protocol):
     """The instance's record in the cluster state (written by the composition root's adapter).
 
-    Created ``starting`` before the worker runs; calls block (the worker makes them in a thread)."""
+    Created ``starting`` before the worker runs, expiring unless refreshed (:meth:`refresh`); calls
+    block (the worker makes them in threads) and may come from two threads at once."""
 
     def ready(self, url: str, revision: Revision) -> None:
         """The instance serves at ``url``."""
 
     def draining(self) -> None:
         """SIGTERM arrived: the instance finishes what it has and takes nothing new."""
+
+    def refresh(self) -> bool:
+        """The heartbeat: renew the record's TTL; False when it had expired and was written again."""
 
     def gone(self) -> None:
         """The worker exits: remove the record."""
@@ -194,6 +218,7 @@ def serve(
     )
     state = WorkerState()
     lifecycle = Lifecycle()
+    heartbeat = Heartbeat(reporter.refresh, config.refresh_s)
 
     async def start() -> None:
         await _attach(state, assignment, config.pool_wait_s)
@@ -203,6 +228,7 @@ def serve(
         await asyncio.to_thread(reporter.draining)
 
     try:
+        heartbeat.start()
         app = WorkerGuard(build_knative_app(state, lifecycle), guard)
         sock = listen(config.host, config.port)
         log.info(
@@ -212,6 +238,7 @@ def serve(
         return uvloop.run(serve_draining(app, sock, config.grace_s, lifecycle, start, drain))
     finally:
         state.close()  # the app's shutdown did, unless it never started
+        heartbeat.stop(timeout_s=config.refresh_s)  # gone() waits for a beat in progress anyway
         try:
             reporter.gone()
         except Exception:  # Redis away: the record stays behind, the worker still exits

@@ -11,6 +11,7 @@ Keys (``prefix`` defaults to ``ember:``)::
     {p}functions              hash  name -> {"v": 1, "spec": {...}, "model": {...} | null, "updated": t}
     {p}fn:{name}:instances    set   instance ids of a function
     {p}instance:{id}          hash  function, state, device, url, token, in_flight, deadline, created
+                                    (a Knative pod's expires unless its worker refreshes it)
     {p}device:{id}            string {"v": 1, ...pool report..., "updated": t}
     {p}instance_seq           counter for instance ids
 
@@ -71,7 +72,8 @@ return -1
 """
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
-# ARGV: desired, function, device, now, prefix. Returns the new id or false.
+# ARGV: desired, function, device, now, prefix, record TTL in ms (0: none; set in the same
+# script, so no crash between the two leaves a record that never expires). The new id or false.
 _SCALE_UP = """
 local live = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -82,8 +84,30 @@ if live >= tonumber(ARGV[1]) then return false end
 local id = tostring(redis.call('INCR', KEYS[2]))
 redis.call('HSET', ARGV[5] .. 'instance:' .. id, 'v', '1', 'function', ARGV[2], 'state', 'starting',
   'device', ARGV[3], 'url', '', 'in_flight', '0', 'deadline', '0', 'created', ARGV[4])
+if tonumber(ARGV[6]) > 0 then redis.call('PEXPIRE', ARGV[5] .. 'instance:' .. id, ARGV[6]) end
 redis.call('SADD', KEYS[1], id)
 return id
+"""
+
+# Refresh an expiring record's TTL. KEYS: instance hash, fn set. ARGV: TTL in ms, instance id,
+# then the record's fields: written again (and the id re-added) when the record is gone, e.g.
+# it expired while Redis was unreachable from a pod that still serves. 1 refreshed, 0 rewritten.
+_REFRESH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  return 1
+end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return 0
+"""
+
+# Drop an id from its function's set once its record is gone (expired). KEYS: instance hash,
+# fn set. ARGV: id. Ids are never reused (INCR), so a missing record never comes back.
+_PRUNE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SREM', KEYS[2], ARGV[1]) end
+return 0
 """
 
 # Move KEYS[1] from state ARGV[1] to ARGV[2]; extra ARGV pairs are fields to set. 1 or 0.
@@ -171,6 +195,8 @@ class ClusterState:
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
         self._expire = client.register_script(_EXPIRE)
+        self._refresh = client.register_script(_REFRESH)
+        self._prune = client.register_script(_PRUNE)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "ember:") -> ClusterState:
@@ -275,19 +301,37 @@ class ClusterState:
 
     # ----- instances ---------------------------------------------------------------------
 
-    def scale_up(self, function: str, desired: int, device: str, now: float | None = None) -> str | None:
-        """Start one instance if fewer than ``desired`` are live; its id, or None."""
+    def scale_up(
+        self, function: str, desired: int, device: str, now: float | None = None, ttl_s: float | None = None
+    ) -> str | None:
+        """Start one instance if fewer than ``desired`` are live; its id, or None. With
+        ``ttl_s`` the record expires unless :meth:`refresh_instance` renews it."""
         keys = [f"{self.p}fn:{function}:instances", f"{self.p}instance_seq"]
-        args: list[Any] = [desired, function, device, now if now is not None else time.time(), self.p]
+        when = now if now is not None else time.time()
+        args: list[Any] = [desired, function, device, when, self.p, 0 if ttl_s is None else _ttl_ms(ttl_s)]
         result = self._call(lambda: self._scale_up(keys=keys, args=args))
         return str(result) if result else None
 
-    def add_instance(self, function: str, device: str, now: float | None = None) -> str:
+    def add_instance(
+        self, function: str, device: str, now: float | None = None, ttl_s: float | None = None
+    ) -> str:
         """Record a new ``starting`` instance whatever the function's scale; its id. For
-        instances that another autoscaler starts and stops (a Knative pod records itself)."""
-        new_id = self.scale_up(function, _UNBOUNDED, device, now)
+        instances that another autoscaler starts and stops (a Knative pod records itself,
+        with a ``ttl_s`` its heartbeat renews, so a pod killed outright leaves no record)."""
+        new_id = self.scale_up(function, _UNBOUNDED, device, now, ttl_s)
         assert new_id is not None  # no function has _UNBOUNDED live instances
         return new_id
+
+    def refresh_instance(
+        self, function: str, instance_id: str, ttl_s: float, fields: Mapping[str, str | int | float]
+    ) -> bool:
+        """Renew an expiring record's TTL; False when it was gone and ``fields`` (the whole
+        record) were written again under the same id."""
+        keys = [f"{self.p}instance:{instance_id}", f"{self.p}fn:{function}:instances"]
+        args: list[Any] = [_ttl_ms(ttl_s), instance_id]
+        for k, v in fields.items():
+            args += [k, v]
+        return bool(self._call(lambda: self._refresh(keys=keys, args=args)))
 
     def transition(
         self, instance_id: str, from_state: str, to_state: str, **fields: str | int | float
@@ -364,6 +408,9 @@ class ClusterState:
             h: dict[str, str] = self._call(functools.partial(self.r.hgetall, key))
             if h:
                 out.append(Instance.decode(str(i), h))
+            else:  # expired (a pod killed outright) or forgotten since SMEMBERS
+                keys = [key, f"{self.p}fn:{function}:instances"]
+                self._call(functools.partial(self._prune, keys=keys, args=[i]))
         return out
 
     def forget_instance(self, function: str, instance_id: str) -> None:
@@ -415,6 +462,13 @@ class ClusterState:
     def devices(self) -> dict[str, dict[str, Any]]:
         """Every device's report as published (what ``/v1/cluster`` shows), by device id."""
         return {device_id: r.document for device_id, r in self.device_reports().items()}
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    """A record TTL in whole milliseconds (PEXPIRE's unit), at least 1."""
+    if not 0 < ttl_s < 2**31 / 1000:
+        raise ValueError(f"a record TTL must be more than 0 s, got {ttl_s}")
+    return max(1, round(ttl_s * 1000))
 
 
 def _typed(exc: redis.exceptions.ResponseError) -> Exception:

@@ -1,18 +1,23 @@
-"""Where a function's rendered Knative Service and token Secret go: the backend interface.
+"""Where a function's rendered Knative Service, token Secret and handler ConfigMap go.
 
-:class:`BaseServiceBackend` creates or updates, deletes and reads back the two objects of a
+:class:`BaseServiceBackend` creates or updates, deletes and reads back the objects of a
 function. Two implementations, picked by ``EMBER_KNATIVE_APPLY`` (:func:`make_backend`):
 
 - ``api`` (default): :class:`scheduler.knative.kube.KubernetesBackend`, the Kubernetes API
   through the official client (in-cluster config or kubeconfig).
 - ``dir:/path``: :class:`DirectoryBackend` writes the objects as YAML files under ``/path``
-  for a GitOps tool (Argo CD, Flux) to apply: ``<service>.service.yaml`` and
-  ``<service>.secret.yaml``. The Secret file holds the function's worker token (mode 0600):
+  for a GitOps tool (Argo CD, Flux) to apply: ``<service>.service.yaml``,
+  ``<service>.secret.yaml`` and, for a custom handler, ``<service>.code.yaml`` (the current
+  code's ConfigMap: the previous one leaves the directory when it is replaced, and the
+  tool's pruning removes it from the cluster). The Secret file holds the function's worker token (mode 0600):
   keep it out of version control, or encrypt it (SOPS, sealed-secrets) in the pipeline that
   commits the directory. There is no cluster to ask, so readiness is ``Unknown`` (``NoCluster``).
 
-Both refuse to overwrite or delete an object that another function (or nobody Ember knows)
-owns: the ``ember.dev/function-id`` annotation must name the function (:class:`ServiceConflict`).
+A custom handler's ConfigMap is applied first (pods of the new revision mount it), and the
+function's ConfigMaps of older code are removed once the new Service is applied: pods already
+running keep the files they mounted. Both refuse to overwrite or delete an object that another
+function (or nobody Ember knows) owns: the ``ember.dev/function-id`` annotation must name the
+function (:class:`ServiceConflict`).
 Calls block (the Kubernetes client is synchronous): the gateway runs them in threads.
 """
 
@@ -58,13 +63,19 @@ class BaseServiceBackend(ABC):
     namespace: str
 
     @abstractmethod
-    def apply(self, function_id: str, service: Mapping[str, Any], secret: Mapping[str, Any]) -> None:
-        """Create or update the function's token Secret, then its Service (pods that start
-        find their Secret)."""
+    def apply(
+        self,
+        function_id: str,
+        service: Mapping[str, Any],
+        secret: Mapping[str, Any],
+        config_map: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Create the function's handler ConfigMap (if any), create or update its token Secret,
+        then its Service (pods that start find both), then remove its older ConfigMaps."""
 
     @abstractmethod
     def delete(self, function_id: str, service: str) -> bool:
-        """Delete the function's Service, then its Secret; whether anything was there."""
+        """Delete the function's Service, then its Secret and ConfigMaps; whether anything was there."""
 
     @abstractmethod
     def status(self, service: str) -> ServiceStatus:
@@ -85,24 +96,39 @@ class DirectoryBackend(BaseServiceBackend):
         self.directory = directory
         self.namespace = namespace
 
-    def paths(self, service: str) -> tuple[Path, Path]:
-        """(Service file, Secret file) of ``service``."""
-        return self.directory / f"{service}.service.yaml", self.directory / f"{service}.secret.yaml"
+    def paths(self, service: str) -> tuple[Path, Path, Path]:
+        """(Service file, Secret file, handler ConfigMap file) of ``service``."""
+        return (
+            self.directory / f"{service}.service.yaml",
+            self.directory / f"{service}.secret.yaml",
+            self.directory / f"{service}.code.yaml",
+        )
 
-    def apply(self, function_id: str, service: Mapping[str, Any], secret: Mapping[str, Any]) -> None:
+    def apply(
+        self,
+        function_id: str,
+        service: Mapping[str, Any],
+        secret: Mapping[str, Any],
+        config_map: Mapping[str, Any] | None = None,
+    ) -> None:
         name = str(service["metadata"]["name"])
-        service_path, secret_path = self.paths(name)
+        service_path, secret_path, code_path = self.paths(name)
         for path, what in (
             (service_path, f"Service {name}"),
             (secret_path, f"Secret {token_secret_name(name)}"),
+            (code_path, f"the handler ConfigMap file of {name}"),
         ):
             existing = self._read(path)
             if existing is not None:
                 check_owner(existing, function_id, what)
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if config_map is not None:
+                _write(code_path, config_map, 0o644)
             _write(secret_path, secret, 0o600)
             _write(service_path, service, 0o644)
+            if config_map is None:
+                code_path.unlink(missing_ok=True)  # now the default handler: no code
         except OSError as exc:
             raise KnativeError(
                 f"cannot write the manifests of {name} under {self.directory}: {exc}"

@@ -3,7 +3,8 @@
 :meth:`KnativeDeployments.check` renders a function (a :class:`scheduler.spec.SpecError` for
 a spec Knative cannot express) before anything is stored; :meth:`~KnativeDeployments.apply`
 renders it again from the stored record, derives its worker token and hands both objects to
-the backend; :meth:`~KnativeDeployments.remove` deletes them; :meth:`~KnativeDeployments.status`
+the backend (with a custom handler's code, read by ``read_code``: the gateway reads the module it
+stored); :meth:`~KnativeDeployments.remove` deletes them; :meth:`~KnativeDeployments.status`
 is the ``status.knative`` block ``describe`` shows. The calls block (the Kubernetes client is
 synchronous): the gateway runs them in threads.
 """
@@ -11,12 +12,13 @@ synchronous): the gateway runs them in threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler.knative.backend import BaseServiceBackend
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.errors import KnativeError
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.naming import service_name
 from scheduler.knative.render import Rendered, render_record
 from scheduler.knative.status import ServiceStatus
@@ -26,30 +28,54 @@ from scheduler.spec import SpecError
 
 log = logging.getLogger("ember.knative")
 
+# A stored function's custom handler module (SpecError when it cannot be read).
+CodeReader = Callable[[FunctionRecord], HandlerCode]
+
+
+def _handler(record: FunctionRecord) -> str:
+    body = record.spec.get("spec")
+    handler = body.get("handler", "default") if isinstance(body, dict) else "default"
+    return handler if isinstance(handler, str) else "default"
+
+
+def _no_code(record: FunctionRecord) -> HandlerCode:
+    raise SpecError(f"spec.handler: {_handler(record)[:200]!r}: this gateway stores no handler modules")
+
 
 class KnativeDeployments:
     """See the module docstring."""
 
-    def __init__(self, config: KnativeConfig, tokens: WorkerTokens, backend: BaseServiceBackend) -> None:
+    def __init__(
+        self,
+        config: KnativeConfig,
+        tokens: WorkerTokens,
+        backend: BaseServiceBackend,
+        read_code: CodeReader = _no_code,
+    ) -> None:
         self.config = config
         self.tokens = tokens
         self.backend = backend
+        self.read_code = read_code
 
     def check(self, record: FunctionRecord) -> Rendered:
-        """The function's objects; :class:`SpecError` if Knative cannot express its spec."""
-        return render_record(record, self.config)
+        """The function's objects; :class:`SpecError` if Knative cannot express its spec. A
+        custom handler's module is not read: it is checked where it is stored."""
+        handler = _handler(record)
+        code = None if handler == "default" else HandlerCode.stand_in(handler)
+        return render_record(record, self.config, code)
 
     def apply(self, record: FunctionRecord) -> Rendered:
-        """Create or update the function's token Secret and Knative Service."""
-        rendered = self.check(record)
+        """Create or update the function's handler ConfigMap, token Secret and Knative Service."""
+        code = None if _handler(record) == "default" else self.read_code(record)
+        rendered = render_record(record, self.config, code)
         for note in rendered.notes:
             log.info("%s: %s", record.function_id, note)
         secret = rendered.secret_with(self.tokens.token(record.function_id))
-        self.backend.apply(record.function_id, rendered.service, secret)
+        self.backend.apply(record.function_id, rendered.service, secret, rendered.config_map)
         return rendered
 
     def remove(self, function_id: str) -> bool:
-        """Delete the function's Service and Secret (whether they were there). A function whose
+        """Delete the function's Service, Secret and ConfigMaps (whether they were there). A function whose
         name has no Service name (deployed before cluster mode) has nothing to delete."""
         try:
             service = service_name(function_id)

@@ -1,4 +1,5 @@
-"""The Kubernetes API backend: Knative Services and token Secrets through the official client.
+"""The Kubernetes API backend: Knative Services, token Secrets and handler ConfigMaps
+(:mod:`scheduler.knative.kube_code`) through the official client.
 
 NOT RUN AGAINST A CLUSTER. There is no kube-apiserver where Ember is developed and tested:
 what the tests cover is the pure part, :func:`plan` (the request each apply sends: create,
@@ -29,6 +30,7 @@ from typing import Any, Literal, cast
 
 from scheduler.knative.backend import BaseServiceBackend, check_owner
 from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
+from scheduler.knative.kube_code import CodeMaps
 from scheduler.knative.naming import token_secret_name
 from scheduler.knative.render import MANAGED_BY
 from scheduler.knative.status import MAX_TEXT, ServiceStatus
@@ -102,6 +104,8 @@ class KubernetesBackend(BaseServiceBackend):
         self._client = api_client
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
+        as_dict = api_client.sanitize_for_serialization
+        self._code = CodeMaps(self._core, namespace, as_dict, _only, self._translate, REQUEST_TIMEOUT)
 
     @classmethod
     def connect(cls, namespace: str) -> KubernetesBackend:
@@ -159,10 +163,20 @@ class KubernetesBackend(BaseServiceBackend):
             delete=lambda name, uid: c.delete_namespaced_secret(name, ns, body=only(uid), _request_timeout=t),
         )
 
-    def apply(self, function_id: str, service: Mapping[str, Any], secret: Mapping[str, Any]) -> None:
+    def apply(
+        self,
+        function_id: str,
+        service: Mapping[str, Any],
+        secret: Mapping[str, Any],
+        config_map: Mapping[str, Any] | None = None,
+    ) -> None:
         name = str(service["metadata"]["name"])
+        if config_map is not None:
+            self._code.apply(function_id, config_map)
         self._apply_one(self._secret_ops(), secret, function_id, f"Secret {token_secret_name(name)}")
         self._apply_one(self._service_ops(), service, function_id, f"Service {name}")
+        current = None if config_map is None else str(config_map["metadata"]["name"])
+        self._code.prune(function_id, keep=current)  # only once the Service no longer names them
 
     def _apply_one(self, ops: _Ops, desired: Mapping[str, Any], function_id: str, what: str) -> None:
         name = str(desired["metadata"]["name"])
@@ -198,7 +212,7 @@ class KubernetesBackend(BaseServiceBackend):
                 error = self._translate(exc, f"delete {what}")
                 if getattr(exc, "status", None) != 404:  # gone meanwhile: what was asked
                     raise error from None
-        return found
+        return self._code.prune(function_id, keep=None) or found
 
     def status(self, service: str) -> ServiceStatus:
         existing = self._get(self._service_ops(), service, f"Service {service}")

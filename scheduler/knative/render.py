@@ -1,4 +1,5 @@
-"""A function spec rendered as a Knative Service (``serving.knative.dev/v1``) and its token Secret.
+"""A function spec rendered as a Knative Service (``serving.knative.dev/v1``), its token Secret
+and, for a custom handler, the ConfigMap of its code.
 
 The one mapping from the Function spec to Knative (CLUSTER.md "One function, rendered"):
 
@@ -21,8 +22,13 @@ maxTokens                   S = ttft + maxTokens x tpot;
 device: cuda                container ``resources.limits[nvidia.com/gpu]`` = 1;             (5)
                             ``runtimeClassName`` (``EMBER_KNATIVE_GPU_RUNTIME_CLASS``)
 device: auto, cpu           no GPU request
-spec.handler                ``default`` only                                                (6)
-the registered model        template annotations ``ember.dev/model`` (its id: the key of    (6)
+spec.handler: default       nothing
+spec.handler: module.py:fn  ConfigMap ``<service>-code-<digest>`` (``immutable``,           (6)
+                            key ``module.py``), volume ``ember-handler`` mounted
+                            read-only at ``/var/lib/ember/functions/NS/NAME/<digest>``;
+                            container env ``EMBER_FUNCTION_HANDLER`` =
+                            ``NS/NAME/<digest>/module.py:fn``
+the registered model        template annotations ``ember.dev/model`` (its id: the key of    (8)
                             pools' residency reports), ``ember.dev/weight-bytes``
 (always)                    ``schedulerName: ember-scheduler``; label
                             ``networking.knative.dev/visibility: cluster-local``;
@@ -62,13 +68,19 @@ the registered model        template annotations ``ember.dev/model`` (its id: th
    maximum and ``EMBER_KNATIVE_MAX_TIMEOUT`` with it).
 5. ``auto`` renders as CPU: a pod gets a GPU only by requesting one (a note says so). The
    device plugin picks the GPU; the pod needs the cluster's GPU runtime class.
-6. Only the default handler (a custom handler's module, stored by the gateway, would not
-   reach the pods: a SpecError). Without a registered model (``ember deploy --target
-   knative`` on a machine whose model store lacks it) the annotations are left out, and the
-   extender cannot score residency.
+6. :mod:`scheduler.knative.handler_code`: the module reaches the pods as a ConfigMap (a
+   configMap volume needs no Knative feature flag: unlike hostPath, emptyDir, PVC or CSI
+   volumes, the Revision CRD gates it behind none, and ``config-features`` has no flag for it),
+   content-addressed (new code: a new ConfigMap and a new revision). It is mounted where the
+   worker's handler loader and function sandbox accept it, and ``EMBER_FUNCTION_HANDLER``
+   pins the revision to its own code. Rendering a custom handler needs its source
+   (:class:`~scheduler.knative.handler_code.HandlerCode`): the gateway reads the module it
+   stored, ``ember deploy --target knative`` the one beside the YAML.
 7. The token is ``HMAC-SHA256(EMBER_CLUSTER_SECRET, qualified id)``
    (:mod:`scheduler.knative.tokens`); the rendered Secret carries no token: the backend adds it
    when it applies (:meth:`Rendered.secret_with`).
+8. Without a registered model (``ember deploy --target knative`` on a machine whose model
+   store lacks it) the annotations are left out, and the extender cannot score residency.
 
 Objects are built as plain mappings (serialized with ``yaml.safe_dump``), never templated text.
 """
@@ -81,7 +93,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from scheduler import cluster_keys, names
+from scheduler.knative import handler_code
 from scheduler.knative.config import KnativeConfig
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.naming import service_name, token_secret_name
 from scheduler.records import FunctionRecord, ModelRef, Scaling
 from scheduler.spec import SloSpec, SpecError
@@ -112,9 +126,12 @@ class ServiceInputs:
     tpot_s: float
     device: str
     model: ModelRef | None
+    code: HandlerCode | None = None  # a custom handler's module (None: the default handler)
 
     @classmethod
-    def from_record(cls, record: FunctionRecord) -> ServiceInputs:
+    def from_record(cls, record: FunctionRecord, code: HandlerCode | None = None) -> ServiceInputs:
+        """The inputs of a stored function; ``code`` is its custom handler's module (required
+        then, and must be the one ``spec.handler`` names)."""
         body = record.spec.get("spec")
         body = body if isinstance(body, Mapping) else {}
         try:
@@ -122,17 +139,19 @@ class ServiceInputs:
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
             raise SpecError(f"spec.slo: {exc}") from None
         handler = body.get("handler", "default")
-        if handler != "default":
-            raise SpecError(
-                f"spec.handler: cluster mode runs the default handler only ({handler!r}: a handler "
-                f"module stored by the gateway does not reach the worker pods)"
-            )
+        if handler == "default":
+            code = None
+        elif not isinstance(handler, str) or code is None:
+            raise SpecError(f"spec.handler: {str(handler)[:200]!r} is rendered with its module's source")
+        elif not code.matches(handler):
+            raise SpecError(f"spec.handler: {handler[:200]!r} is not the module rendered ({code.module})")
         device = body.get("device", "auto")
         if device not in DEVICES:
             raise SpecError(f"spec.device: {device!r} must be one of {', '.join(DEVICES)}")
         return cls(
-            record.function_id, record.scaling, record.max_tokens, slo.ttft, slo.tpot, device, record.model
-        )
+            record.function_id, record.scaling, record.max_tokens, slo.ttft, slo.tpot, device, record.model,
+            code,
+        )  # fmt: skip
 
 
 class Window(NamedTuple):
@@ -198,6 +217,7 @@ class Rendered:
     service: dict[str, Any]
     secret: dict[str, Any]
     notes: tuple[str, ...]  # where the rendering differs from the spec (keepAlive, device)
+    config_map: dict[str, Any] | None = None  # a custom handler's code (applied before the Service)
 
     @property
     def name(self) -> str:
@@ -209,8 +229,8 @@ class Rendered:
 
 
 def render(inputs: ServiceInputs, config: KnativeConfig) -> Rendered:
-    """The Knative Service and token Secret of a function; :class:`SpecError` for a spec that
-    Knative cannot express (the message names the field)."""
+    """The Knative Service, token Secret and handler ConfigMap of a function; :class:`SpecError`
+    for a spec that Knative cannot express (the message names the field)."""
     service = service_name(inputs.function_id)
     namespace, name = names.split(inputs.function_id)
     window = keep_alive_window(inputs.scaling.keep_alive_s)
@@ -254,6 +274,13 @@ def render(inputs: ServiceInputs, config: KnativeConfig) -> Rendered:
         # directory (tokenizer, profile) where the gateway recorded it; weights come from the pool.
         {"name": "ember-models", "hostPath": {"path": MODELS_DIR, "type": "Directory"}},
     ]
+    object_labels = {**function_labels, MANAGED_BY[0]: MANAGED_BY[1]}
+    config_map = None
+    if inputs.code is not None:
+        config_map = handler_code.render_config_map(
+            inputs.code, service, config.namespace, object_labels, owner
+        )
+        pod["volumes"].append(handler_code.volume(config_map["metadata"]["name"]))
     manifest = {
         "apiVersion": "serving.knative.dev/v1",
         "kind": "Service",
@@ -276,12 +303,12 @@ def render(inputs: ServiceInputs, config: KnativeConfig) -> Rendered:
         "metadata": {
             "name": token_secret_name(service),
             "namespace": config.namespace,
-            "labels": {**function_labels, MANAGED_BY[0]: MANAGED_BY[1]},
+            "labels": dict(object_labels),
             "annotations": dict(owner),
         },
         "type": "Opaque",
     }
-    return Rendered(inputs.function_id, manifest, secret, tuple(notes))
+    return Rendered(inputs.function_id, manifest, secret, tuple(notes), config_map)
 
 
 def _worker_container(inputs: ServiceInputs, config: KnativeConfig, token_secret: str) -> dict[str, Any]:
@@ -297,6 +324,10 @@ def _worker_container(inputs: ServiceInputs, config: KnativeConfig, token_secret
             {"name": TOKEN_ENV, "valueFrom": _secret_ref(token_secret, TOKEN_KEY)},
         ],
     }  # fmt: skip
+    if inputs.code is not None:
+        container["env"].append(
+            {"name": handler_code.HANDLER_ENV, "value": inputs.code.pod_handler(inputs.function_id)}
+        )
     if inputs.device == "cuda":
         container["resources"] = {"limits": {GPU_RESOURCE: "1"}}
     container["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": WORKER_PORT}, "periodSeconds": 1}
@@ -304,6 +335,8 @@ def _worker_container(inputs: ServiceInputs, config: KnativeConfig, token_secret
         {"name": "ember-run", "mountPath": cluster_keys.DEFAULT_POOL_DIR, "readOnly": True},
         {"name": "ember-models", "mountPath": MODELS_DIR, "readOnly": True},
     ]
+    if inputs.code is not None:
+        container["volumeMounts"].append(handler_code.volume_mount(inputs.code, inputs.function_id))
     return container
 
 
@@ -311,6 +344,6 @@ def _secret_ref(name: str, key: str) -> dict[str, Any]:
     return {"secretKeyRef": {"name": name, "key": key}}
 
 
-def render_record(record: FunctionRecord, config: KnativeConfig) -> Rendered:
-    """:func:`render` of a stored function."""
-    return render(ServiceInputs.from_record(record), config)
+def render_record(record: FunctionRecord, config: KnativeConfig, code: HandlerCode | None = None) -> Rendered:
+    """:func:`render` of a stored function (``code``: its custom handler's module)."""
+    return render(ServiceInputs.from_record(record, code), config)

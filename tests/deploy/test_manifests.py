@@ -144,7 +144,10 @@ def test_the_gateway_runs_ember_gateway_with_its_secrets_and_rights_in_ember_fn_
     assert {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]} == {
         ("serving.knative.dev", "services"),
         ("", "secrets"),
+        ("", "configmaps"),  # custom handlers' code (issue 11)
     }
+    (code_rule,) = [rule for rule in role["rules"] if "configmaps" in rule["resources"]]
+    assert set(code_rule["verbs"]) == {"get", "list", "create", "delete"}  # immutable: never updated
 
 
 def test_one_cpu_pool_per_node_on_the_host_socket_directory() -> None:

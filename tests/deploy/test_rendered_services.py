@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from scheduler.knative.config import KnativeConfig
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.render import render_record
 from tests.deploy.knative_rules import shipped_features, validate
+from tests.deploy.knative_schema import reference
 from tests.scheduler.test_knative_render import record
 
 CPU_FUNCTIONS: list[dict[str, Any]] = [
@@ -40,3 +42,21 @@ def test_rendered_gpu_service_needs_the_runtimeclass_flag_the_patch_documents() 
     assert problems and all("runtimeclassname" in p.lower() for p in problems), problems
     features = {**shipped_features(), "kubernetes.podspec-runtimeclassname": "enabled"}
     assert validate(rendered.service, features=features) == []
+
+
+def test_a_custom_handlers_configmap_and_its_mount_are_valid_without_a_feature_flag() -> None:
+    """configMap volumes are not gated by any Knative feature flag (the Revision CRD marks
+    hostPath, emptyDir, PVC, CSI... "accessible behind a feature flag", not configMap), so the
+    shipped config-features needs nothing more; the ConfigMap itself passes kubernetes-validate."""
+    code = HandlerCode("hello.py", "handler", "def handler(event, context):\n    return event\n")
+    for namespace in (None, "team-a"):
+        rendered = render_record(
+            record(namespace=namespace, handler="hello.py:handler"), KnativeConfig(), code
+        )
+        assert rendered.config_map is not None
+        assert validate(rendered.config_map) == []
+        assert validate(rendered.service) == []
+        # With Knative's default flags alone, the code adds no problem to the default handler's.
+        plain = render_record(record(namespace=namespace), KnativeConfig())
+        defaults = reference().features
+        assert validate(rendered.service, features=defaults) == validate(plain.service, features=defaults)

@@ -38,10 +38,12 @@ from scheduler import cluster_keys
 from scheduler.extender.policies import PlacementConfig
 from scheduler.extender.service import ExtenderConfig
 from scheduler.knative.config import KnativeConfig
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.tokens import WorkerTokens, worker_token
 from scheduler.records import DeviceReport
 from scheduler.redis_server import EmbeddedRedis
 from tests.conftest import PoolProcess
+from tests.deploy.knative_rules import validate
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,13 +179,42 @@ def test_a_spec_knative_cannot_express_is_refused_before_anything_is_stored(clus
         for name, body, field in (
             ("long-keepalive", {"scaling": {"keepAlive": "3h"}}, "spec.scaling.keepAlive"),
             ("my--chat", {}, "metadata.name"),
-            ("custom", {"handler": "hello.py:handler"}, "spec.handler"),
+            ("custom", {"handler": "hello.py:handler"}, "spec.handler"),  # its module not uploaded
         ):
             refused = http.post("/v1/functions", json=cluster.spec(name, **body))
             assert refused.status_code == 400, refused.text
             assert field in refused.json()["error"]["message"]
             assert http.get(f"/v1/functions/{name}").status_code == 404
         assert not list(cluster.manifests.glob("*.yaml"))
+
+
+@pytest.mark.slow
+def test_a_custom_handler_deploys_with_its_code_as_a_configmap(cluster: Cluster) -> None:
+    """Issue 11: the uploaded module is stored, rendered as an immutable ConfigMap applied with
+    the Service (the pods mount it); new code replaces it; a delete removes it."""
+    manifests = cluster.manifests
+    with cluster.http() as http:
+        for version in ("v1", "v2"):
+            source = f"def handler(event, context):\n    return {{'version': '{version}'}}\n"
+            body = {
+                "function": cluster.spec("hello", handler="hello.py:handler"),
+                "files": {"hello.py": source},
+            }
+            deployed = http.post("/v1/functions", json=body)
+            assert deployed.status_code == 201, deployed.text
+            code = HandlerCode("hello.py", "handler", source)
+            stored = deployed.json()["spec"]["handler"]
+            assert stored.endswith(f"/{code.digest}/hello.py:handler")  # the gateway's own path
+            config_map = yaml.safe_load((manifests / "hello.code.yaml").read_text())
+            assert config_map["metadata"]["name"] == f"hello-code-{code.digest}"
+            assert config_map["data"] == {"hello.py": source} and config_map["immutable"] is True
+            service = yaml.safe_load((manifests / "hello.service.yaml").read_text())
+            (container,) = service["spec"]["template"]["spec"]["containers"]
+            env = {"name": "EMBER_FUNCTION_HANDLER", "value": f"default/hello/{code.digest}/hello.py:handler"}
+            assert env in container["env"]
+            assert validate(config_map) == [] and validate(service) == []
+        assert http.delete("/v1/functions/hello").status_code == 204
+        assert not list(manifests.glob("hello.*"))
 
 
 @pytest.mark.slow

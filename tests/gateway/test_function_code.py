@@ -12,7 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.app import GatewayConfig, create_app
-from gateway.function_code import MAX_MODULE_BYTES, FunctionCodeConfig, with_handler_module
+from gateway.function_code import (
+    MAX_MODULE_BYTES,
+    FunctionCodeConfig,
+    read_stored,
+    store_handler,
+    with_handler_module,
+)
+from scheduler.spec import SpecError
 from scheduler.state import ClusterState
 from tests.gateway.conftest import FUNCTIONS, chat_spec
 
@@ -121,3 +128,24 @@ def test_ember_deploy_uploads_the_module_beside_the_yaml(tmp_path: Path) -> None
     assert body["files"] == {"summarize.py": (FUNCTIONS / "summarize" / "summarize.py").read_text()}
     default = yaml.safe_load((FUNCTIONS / "smollm2-chat" / "function.yaml").read_text())
     assert with_handler_module(default, spec_file) == default  # default handlers: the spec as today
+
+
+def test_cluster_mode_reads_back_only_the_functions_own_stored_module(tmp_path: Path) -> None:
+    """What the gateway renders as the function's ConfigMap (issue 11): the module it stored, in
+    that function's directory, under the digest it was stored by."""
+    config = FunctionCodeConfig(tmp_path / "functions")
+    source = "def handler(event, context):\n    return event\n"
+    handler = store_handler(config, "team/chat", "hello.py:handler", {"hello.py": source})
+    code = read_stored(config, "team/chat", handler)
+    assert (code.module, code.function, code.source) == ("hello.py", "handler", source)
+    assert Path(handler.rpartition(":")[0]).parent.name == code.digest  # one content address
+    other = store_handler(config, "team/other", "hello.py:handler", {"hello.py": source})
+    for function_id, ref in (
+        ("team/chat", other),
+        ("team/chat", "/etc/passwd.py:handler"),
+        ("chat", handler),
+    ):
+        with pytest.raises(SpecError, match="not found or not allowed"):
+            read_stored(config, function_id, ref)
+    with pytest.raises(SpecError, match="not found or not allowed"):
+        read_stored(None, "team/chat", handler)

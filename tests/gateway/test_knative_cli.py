@@ -1,6 +1,7 @@
-"""``ember deploy -f F.yaml --target knative`` prints the function's Knative Service and token
-Secret without a gateway or a cluster (as ``func`` and ``kn`` do): the spec is validated
-locally, the model's annotations come from the local model store when it holds the model."""
+"""``ember deploy -f F.yaml --target knative`` prints the function's Knative Service, token
+Secret and (custom handlers) code ConfigMap without a gateway or a cluster (as ``func`` and
+``kn`` do): the spec is validated locally, the model's annotations come from the local model
+store when it holds the model."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from runtime.registry import register
 from runtime.sources import SourceRoots
 from scheduler import cluster_keys
 from scheduler.knative.config import KnativeConfig
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.render import render_record
 from scheduler.records import FunctionRecord, ModelRef
 from scheduler.spec import parse_function
+from tests.deploy.knative_rules import validate
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,12 +92,37 @@ def test_a_registered_model_gives_the_annotations_the_extender_reads(
     assert done.stderr == ""  # nothing to warn about or note
 
 
+def test_a_custom_handler_prints_its_code_as_a_configmap_before_the_service(
+    tmp_path: Path, tiny_gguf: Path
+) -> None:
+    """Issue 11: a custom handler runs in cluster mode; its module (read from beside the YAML)
+    is an immutable ConfigMap that the Service's pods mount read-only."""
+    source = "def handler(event, context):\n    return {'echo': event}\n"
+    (tmp_path / "hello.py").write_text(source)
+    path = spec_file(tmp_path, f"gguf:{tiny_gguf}", handler="hello.py:handler")
+    done = deploy(path, tmp_path / "home")
+    assert done.returncode == 0, done.stderr
+    config_map, service, secret = yaml.safe_load_all(done.stdout)
+    assert done.stdout.index("kind: ConfigMap") < done.stdout.index("kind: Service")
+    code = HandlerCode("hello.py", "handler", source)
+    document = parse_function(yaml.safe_load(path.read_text())).to_document()
+    expected = render_record(FunctionRecord.create("team-a/tiny-chat", document), KnativeConfig(), code)
+    assert (config_map, service, secret) == (expected.config_map, expected.service, expected.secret)
+    assert config_map["data"] == {"hello.py": source} and config_map["immutable"] is True
+    assert config_map["metadata"]["name"] == f"team-a--tiny-chat-code-{code.digest}"
+    container = service["spec"]["template"]["spec"]["containers"][0]
+    env = {"name": "EMBER_FUNCTION_HANDLER", "value": f"team-a/tiny-chat/{code.digest}/hello.py:handler"}
+    assert env in container["env"]
+    for doc in (config_map, service, secret):
+        assert validate(doc) == [], doc["kind"]
+
+
 @pytest.mark.parametrize(
     ("body", "env", "message"),
     [
         ({"scaling": {"concurrency": 1001}}, {}, "spec.scaling.concurrency"),
         ({"maxTokens": 8192}, {}, "spec.maxTokens"),
-        ({"handler": "hello.py:handler"}, {}, "spec.handler"),
+        ({"handler": "hello.py:handler"}, {}, "spec.handler"),  # no hello.py beside the YAML
         ({"scaling": {"keepAlive": "soon"}}, {}, "spec.scaling.keepAlive"),
         ({}, {"EMBER_KNATIVE_TARGET_PERCENT": "0"}, "EMBER_KNATIVE_TARGET_PERCENT"),
     ],

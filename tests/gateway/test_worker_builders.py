@@ -98,6 +98,37 @@ def test_a_pods_instance_is_not_drained_by_keep_alive(
     worker.record.gone()
 
 
+def test_a_pods_record_expires_unless_renewed_and_is_rewritten_when_lost(
+    redis_server: EmbeddedRedis, state: ClusterState, tmp_path: Path
+) -> None:
+    """A SIGKILLed pod cannot remove its record, so the record has a TTL (3 heartbeats) that the
+    worker renews; a record that expired while the pod still serves is written again."""
+    _deploy(state)
+    env = _env(redis_server, tmp_path, EMBER_RECORD_REFRESH_SECONDS="2")
+    worker = build_knative_worker("chat", env, 1 << 20)
+    assert worker.config.record_ttl_s == 6.0
+    key = f"{state.p}instance:{worker.record.instance_id}"
+    assert 0 < state.r.pttl(key) <= 6000
+    assert worker.record.refresh()
+    # Lost while starting (Redis unreachable for longer than the TTL): ready() writes it whole.
+    state.r.delete(key)
+    worker.record.ready(worker.config.url, worker.config.revision)
+    (inst,) = state.instances("chat")
+    assert (inst.state, inst.url, inst.deadline) == ("ready", "http://10.0.0.7:8081", NEVER_EXPIRES)
+    assert inst.details == {"k_service": "chat", "k_revision": "chat-00001"}
+    assert 0 < state.r.pttl(key) <= 6000
+    state.r.delete(key)
+    assert not worker.record.refresh()  # the heartbeat writes it again too
+    assert [i.state for i in state.instances("chat")] == ["ready"]
+    # A record that is there in another state is not overwritten: that is a real conflict.
+    state.transition(worker.record.instance_id, "ready", "gone")
+    worker.record.draining()  # suppressed, as for a pod that never became ready
+    assert [i.state for i in state.instances("chat")] == ["gone"]
+    worker.record.gone()
+    worker.record.refresh()  # a beat racing the exit: writes nothing back
+    assert state.instances("chat") == []
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
@@ -108,6 +139,7 @@ def test_a_pods_instance_is_not_drained_by_keep_alive(
         ({"EMBER_REDIS_URL": ""}, "EMBER_REDIS_URL"),
         ({"EMBER_REDIS_PASSWORD": "pw"}, "EMBER_REDIS_PASSWORD"),  # the unix URL carries one already
         ({"PORT": "eighty"}, "PORT"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "0"}, "EMBER_RECORD_REFRESH_SECONDS"),
     ],
 )
 def test_bad_pod_settings_fail_loudly_and_record_nothing(
@@ -132,6 +164,32 @@ def test_missing_function_bad_id_and_unregistered_model(
     with pytest.raises(ValueError, match="not registered"):
         build_knative_worker("chat", env, 1 << 20)
     assert state.instances("chat") == []
+
+
+def test_a_pods_handler_is_its_revisions_mounted_module(
+    redis_server: EmbeddedRedis, state: ClusterState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMBER_FUNCTION_HANDLER (rendered with the ConfigMap mount) replaces the record's handler,
+    a path on the gateway; it must name a module in the function's own directory."""
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    document = {**DOCUMENT, "spec": {**DOCUMENT["spec"], "handler": "/gateway/functions/x/hello.py:handler"}}
+    state.put_function("team-a/chat", document, ModelRef("tiny-abc-fp32", "/models/tiny-abc-fp32", 1000))
+    digest = "0123456789abcdef01234567"
+    env = _env(redis_server, tmp_path, EMBER_FUNCTION_HANDLER=f"team-a/chat/{digest}/hello.py:handler")
+    worker = build_knative_worker("team-a/chat", env, 1 << 20)
+    functions = tmp_path / "home" / "functions"
+    assert worker.assignment.handler == f"{functions}/team-a/chat/{digest}/hello.py:handler"
+    worker.record.gone()
+    for bad in (
+        f"team-a/other/{digest}/hello.py:handler",  # another function's directory
+        "team-a/chat/../hello.py:handler",
+        f"/abs/team-a/chat/{digest}/hello.py:handler",
+        f"team-a/chat/{digest}/hello.txt:handler",
+        "hello.py:handler",
+    ):
+        with pytest.raises(ValueError, match="EMBER_FUNCTION_HANDLER"):
+            build_knative_worker("team-a/chat", {**env, "EMBER_FUNCTION_HANDLER": bad}, 1 << 20)
+    assert state.instances("team-a/chat") == []
 
 
 # ----- OpenWhisk -------------------------------------------------------------------------------------

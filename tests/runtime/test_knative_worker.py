@@ -4,8 +4,10 @@ here: the pod's environment is what a rendered revision gives its container."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +16,12 @@ import pytest
 
 from gpu_pool.client import PoolClient
 from runtime.drain import Lifecycle
-from runtime.knative_worker import DEFAULT_GRACE_S, KnativeConfig, Revision
+from runtime.knative_worker import DEFAULT_GRACE_S, DEFAULT_REFRESH_S, KnativeConfig, Revision
 from runtime.worker_guard import TOKEN_HEADER
+from scheduler import cluster_keys
+from scheduler.knative.config import KnativeConfig as ServiceConfig
+from scheduler.knative.handler_code import HandlerCode
+from scheduler.knative.render import render_record
 from scheduler.state import ClusterState
 from tests.conftest import PoolProcess, wait_until
 from tests.runtime.pod_worker import (
@@ -51,6 +57,8 @@ def test_config_follows_the_pod_environment() -> None:
                                         "k_configuration": "chat"}  # fmt: skip
     default = KnativeConfig.from_env({})
     assert (default.port, default.grace_s, default.url) == (8080, DEFAULT_GRACE_S, "")
+    assert (default.refresh_s, default.record_ttl_s) == (DEFAULT_REFRESH_S, 3 * DEFAULT_REFRESH_S)
+    assert KnativeConfig.from_env({"EMBER_RECORD_REFRESH_SECONDS": "0.5"}).record_ttl_s == 1.5
     assert KnativeConfig.from_env({"POD_IP": "fd00::1"}).url == "http://[fd00::1]:8080"
     assert Revision().fields() == {}
 
@@ -68,6 +76,9 @@ def test_config_follows_the_pod_environment() -> None:
         ({"EMBER_GRACE_SECONDS": "1e9"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_GRACE_SECONDS": "soon"}, "EMBER_GRACE_SECONDS"),
         ({"EMBER_POOL_WAIT_SECONDS": "-1"}, "EMBER_POOL_WAIT_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "0.01"}, "EMBER_RECORD_REFRESH_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "inf"}, "EMBER_RECORD_REFRESH_SECONDS"),
+        ({"EMBER_RECORD_REFRESH_SECONDS": "often"}, "EMBER_RECORD_REFRESH_SECONDS"),
         ({"POD_IP": "10.0.0.300"}, "10.0.0.300"),
         ({"K_REVISION": "x" * 300}, "K_REVISION"),
     ],
@@ -213,3 +224,102 @@ def test_a_pod_whose_pool_never_comes_fails_and_leaves_no_record(
             proc.wait()
     assert "cpu.sock" in read(logs / "stderr") and "waited 1 s" in read(logs / "stderr")
     assert state.instances("tiny") == []
+
+
+@pytest.mark.slow
+def test_a_sigkilled_pods_record_expires_while_a_live_pods_is_renewed(
+    home: Home, state: ClusterState, pod: tuple[dict[str, str], Path, Path]
+) -> None:
+    """Regression (issue 11): a pod killed outright (OOM kill, node loss) never removes its
+    record; the record expires unless the worker's heartbeat renews it, starting or ready."""
+    env, pool_dir, logs = pod
+    env["EMBER_RECORD_REFRESH_SECONDS"] = "0.25"  # TTL 0.75 s
+    url = f"http://127.0.0.1:{env['PORT']}"
+    proc = start_worker(["--function", "tiny"], env, logs)
+    pool = None
+    try:
+        wait_status(f"{url}/readyz", 503, proc, logs, timeout=120)  # starting: no pool yet
+        (starting,) = state.instances("tiny")
+        key = f"{state.p}instance:{starting.instance_id}"
+        assert 0 < state.r.pttl(key) <= 750
+        time.sleep(2.0)  # well past the TTL: the heartbeat renews it while the pod waits
+        assert [i.state for i in state.instances("tiny")] == ["starting"]
+        pool = PoolProcess(pool_dir / "cpu.sock", "16MiB", store=(home.model.store_path,))
+        wait_status(f"{url}/readyz", 200, proc, logs, timeout=60)
+        time.sleep(1.5)
+        (ready,) = state.instances("tiny")
+        assert (ready.instance_id, ready.state) == (starting.instance_id, "ready")
+        assert 0 < state.r.pttl(key) <= 750
+
+        proc.send_signal(signal.SIGKILL)  # no SIGTERM, no gone(): only the TTL removes it
+        proc.wait(timeout=10)
+        wait_until(lambda: state.instances("tiny") == [], timeout=5)
+        assert not state.r.exists(key) and not state.r.exists(f"{state.p}fn:tiny:instances")
+        assert state.functions_with_instances() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pool is not None:
+            pool.stop()
+
+
+MOUNTED_HANDLER = """
+def handler(event, context):
+    return {"echo": event, "file": __file__}
+"""
+
+
+def configmap_mount(directory: Path, data: dict[str, str]) -> None:
+    """What the kubelet makes of a configMap volume: the keys as symlinks through ``..data`` to a
+    timestamped directory (which is how it swaps contents atomically), all read-only."""
+    stamp = directory / "..2025_01_01_00_00_00.000000001"
+    stamp.mkdir(parents=True)
+    for key, text in data.items():
+        (stamp / key).write_text(text)
+        (stamp / key).chmod(0o444)
+        (directory / key).symlink_to(f"..data/{key}")
+    (directory / "..data").symlink_to(stamp.name)
+
+
+@pytest.mark.slow
+def test_a_pod_runs_the_custom_handler_from_its_mounted_configmap(
+    home: Home, state: ClusterState, pod: tuple[dict[str, str], Path, Path]
+) -> None:
+    """Issue 11: the function's record names the module where the gateway stored it (a path no
+    pod has); the rendered revision mounts the module's ConfigMap under the pod's functions root
+    and names it in EMBER_FUNCTION_HANDLER; the worker loads and serves it from there."""
+    env, pool_dir, logs = pod
+    code = HandlerCode("echo.py", "handler", MOUNTED_HANDLER)
+    document = state.function("tiny").spec
+    document["spec"]["handler"] = f"/srv/gateway/functions/default/tiny/{code.digest}/echo.py:handler"
+    model = state.function("tiny").model
+    state.put_function("tiny", document, model)
+    rendered = render_record(state.function("tiny"), ServiceConfig(), code)
+    assert rendered.config_map is not None
+    (container,) = rendered.service["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "ember-handler"]
+    (handler_env,) = [e for e in container["env"] if e["name"] == "EMBER_FUNCTION_HANDLER"]
+    # The pod's EMBER_HOME is this test's home: the mount lands at the same place under it.
+    relative = Path(mount["mountPath"]).relative_to(f"{cluster_keys.NODE_HOME}/functions")
+    mounted = home.path / "functions" / relative
+    configmap_mount(mounted, rendered.config_map["data"])
+    env["EMBER_FUNCTION_HANDLER"] = handler_env["value"]
+
+    url = f"http://127.0.0.1:{env['PORT']}"
+    pool = PoolProcess(pool_dir / "cpu.sock", "16MiB", store=(home.model.store_path,))
+    proc = start_worker(["--function", "tiny"], env, logs)
+    try:
+        wait_status(f"{url}/readyz", 200, proc, logs, timeout=120)
+        auth = {TOKEN_HEADER: env["EMBER_WORKER_TOKEN"]}
+        answer = httpx.post(f"{url}/invoke", json={"hi": 1}, headers=auth, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["echo"] == {"hi": 1}
+        assert Path(answer.json()["file"]).is_relative_to(os.path.realpath(mounted))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, read(logs / "stderr")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pool.stop()

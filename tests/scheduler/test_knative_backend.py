@@ -26,10 +26,13 @@ from scheduler.knative.backend import DirectoryBackend, make_backend
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.deployments import KnativeDeployments
 from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
+from scheduler.knative.handler_code import HandlerCode
 from scheduler.knative.kube import KubernetesBackend, api_error, plan
+from scheduler.knative.kube_code import code_selector, plan_code, stale_code
 from scheduler.knative.render import render_record
 from scheduler.knative.tokens import WorkerTokens
 from scheduler.records import FunctionRecord, ModelRef
+from scheduler.spec import SpecError
 from tests.scheduler.test_knative_render import record
 from tests.scheduler.test_knative_status import READY_SERVICE
 
@@ -157,7 +160,7 @@ def directory(tmp_path: Path) -> tuple[KnativeDeployments, DirectoryBackend]:
 def test_the_directory_backend_writes_what_a_gitops_tool_applies(tmp_path: Path) -> None:
     deployments, backend = directory(tmp_path)
     deployments.apply(record())
-    service_path, secret_path = backend.paths("smollm2-chat")
+    service_path, secret_path, _ = backend.paths("smollm2-chat")
     assert yaml.safe_load(service_path.read_text()) == desired()
     secret = yaml.safe_load(secret_path.read_text())
     assert secret["stringData"] == {"token": TOKENS.token(FUNCTION_ID)}
@@ -202,3 +205,81 @@ def test_statuses_of_many_functions_at_once(tmp_path: Path) -> None:
     assert shown["a"]["reason"] == "NoCluster"
     assert shown["b"]["reason"] == "NotFound"
     assert shown["x--y"]["reason"] == "NotRenderable"  # deployed before cluster mode, say
+
+
+# ----- custom handlers' ConfigMaps (issue 11) --------------------------------------------------------
+
+HELLO = "def handler(event, context):\n    return event\n"
+
+
+def custom(source: str = HELLO) -> tuple[FunctionRecord, HandlerCode]:
+    return record(handler="hello.py:handler"), HandlerCode("hello.py", "handler", source)
+
+
+def test_the_directory_backend_writes_the_current_code_and_drops_it_with_the_function(tmp_path: Path) -> None:
+    codes: list[HandlerCode] = []
+    config = KnativeConfig(apply_dir=tmp_path / "manifests")
+    backend = make_backend(config)
+    assert isinstance(backend, DirectoryBackend)
+    deployments = KnativeDeployments(config, TOKENS, backend, lambda _: codes[-1])
+    service_path, _, code_path = backend.paths("smollm2-chat")
+    for source in (HELLO, HELLO + "# v2\n"):  # a deploy, then one with new code
+        rec, code = custom(source)
+        codes.append(code)
+        rendered = deployments.apply(rec)
+        assert yaml.safe_load(code_path.read_text()) == rendered.config_map
+        assert rendered.config_map is not None and rendered.config_map["data"] == {"hello.py": source}
+        volumes = yaml.safe_load(service_path.read_text())["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "ember-handler", "configMap": {"name": f"smollm2-chat-code-{code.digest}",
+                                                       "defaultMode": 0o444}} in volumes  # fmt: skip
+    deployments.apply(record())  # back to the default handler: no code left in the directory
+    assert not code_path.exists()
+    deployments.apply(custom()[0])
+    assert deployments.remove(FUNCTION_ID) is True
+    assert not list((tmp_path / "manifests").glob("smollm2-chat.*"))
+
+
+def test_a_custom_handler_without_a_code_reader_is_a_spec_error(tmp_path: Path) -> None:
+    deployments, _ = directory(tmp_path)
+    deployments.check(custom()[0])  # before the module is stored: its names only
+    with pytest.raises(SpecError, match=r"spec\.handler"):
+        deployments.apply(custom()[0])
+
+
+def configmap(
+    name: str, owner: str | None, data: dict[str, str] | None = None, uid: str = "u"
+) -> dict[str, Any]:
+    """A ConfigMap as the API returns it."""
+    annotations = {cluster_keys.ANNOTATION_FUNCTION_ID: owner} if owner else {}
+    metadata = {"name": name, "uid": uid, "resourceVersion": "7", "annotations": annotations}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data or {}}
+
+
+def test_a_handler_configmap_is_created_once_and_never_replaced() -> None:
+    rendered = render_record(custom()[0], KnativeConfig(), custom()[1])
+    desired_map = rendered.config_map
+    assert desired_map is not None
+    name = desired_map["metadata"]["name"]
+    assert plan_code(None, desired_map, FUNCTION_ID) is True
+    assert plan_code(configmap(name, FUNCTION_ID, {"hello.py": HELLO}), desired_map, FUNCTION_ID) is False
+    with pytest.raises(ServiceConflict, match="other contents"):
+        plan_code(configmap(name, FUNCTION_ID, {"hello.py": "tampered"}), desired_map, FUNCTION_ID)
+    with pytest.raises(ServiceConflict, match="someone-else"):
+        plan_code(configmap(name, "someone-else", {"hello.py": HELLO}), desired_map, FUNCTION_ID)
+
+
+def test_only_the_functions_own_older_configmaps_are_cleaned_up() -> None:
+    listed = [
+        configmap("smollm2-chat-code-new", FUNCTION_ID, uid="1"),
+        configmap("smollm2-chat-code-old", FUNCTION_ID, uid="2"),
+        configmap("smollm2-chat-code-theirs", "someone-else", uid="3"),  # its labels, not its owner
+        configmap("smollm2-chat-code-nobody", None, uid="4"),
+    ]
+    assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID) == [("smollm2-chat-code-old", "2")]
+    assert stale_code(listed, None, FUNCTION_ID) == [
+        ("smollm2-chat-code-new", "1"),
+        ("smollm2-chat-code-old", "2"),
+    ]
+    assert code_selector("team-a/chat") == (
+        "ember.dev/function=chat,ember.dev/namespace=team-a,app.kubernetes.io/managed-by=ember"
+    )

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from scheduler import cluster_keys
 from scheduler.knative.config import KnativeConfig
+from scheduler.knative.handler_code import MAX_MODULE_BYTES, HandlerCode, code_digest
 from scheduler.knative.naming import MAX_SERVICE_NAME, service_name, token_secret_name
 from scheduler.knative.render import (
     RETENTION_MAX_S,
@@ -267,11 +268,6 @@ def test_cuda_requests_a_gpu_and_the_runtime_class() -> None:
         assert any("device auto" in n for n in cpu.notes) == (device == "auto")
 
 
-def test_a_custom_handler_is_a_spec_error() -> None:
-    with pytest.raises(SpecError, match=r"spec\.handler"):
-        render_record(record(handler="hello.py:handler"), KnativeConfig())
-
-
 @pytest.mark.parametrize(
     ("function_id", "service"),
     [("chat", "chat"), ("team-a/chat", "team-a--chat"), ("a" * MAX_SERVICE_NAME, "a" * MAX_SERVICE_NAME)],
@@ -335,3 +331,71 @@ def test_rendered_services_keep_the_webhook_rules_ember_relies_on(body: dict[str
     assert 0 < pod["containerConcurrency"] <= 1000
     assert 0 < pod["responseStartTimeoutSeconds"] <= pod["timeoutSeconds"] <= config.max_timeout_s
     assert 0 < pod["idleTimeoutSeconds"] <= pod["timeoutSeconds"]
+
+
+# ----- custom handlers: the module as a ConfigMap (issue 11) ----------------------------------------
+
+HELLO = "def handler(event, context):\n    return {'echo': event}\n"
+
+
+def test_a_custom_handler_renders_its_code_as_a_configmap_the_pods_mount() -> None:
+    code = HandlerCode("hello.py", "handler", HELLO)
+    stored = f"/var/lib/ember/functions/team/chat/{code.digest}/hello.py:handler"  # the gateway's path
+    rendered = render_record(record("chat", "team", handler=stored), KnativeConfig(), code)
+    config_map = rendered.config_map
+    assert config_map is not None
+    name = f"team--chat-code-{code.digest}"
+    assert config_map == {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "ember-fn",
+                     "labels": {"ember.dev/function": "chat", "ember.dev/namespace": "team",
+                                "app.kubernetes.io/managed-by": "ember"},
+                     "annotations": {"ember.dev/function-id": "team/chat"}},
+        "immutable": True, "data": {"hello.py": HELLO},
+    }  # fmt: skip
+    assert config_map["metadata"]["labels"] == rendered.secret["metadata"]["labels"]
+    pod = pod_spec(rendered)
+    assert {"name": "ember-handler", "configMap": {"name": name, "defaultMode": 0o444}} in pod["volumes"]
+    (container,) = pod["containers"]
+    mount = f"{cluster_keys.NODE_HOME}/functions/team/chat/{code.digest}"
+    assert {"name": "ember-handler", "mountPath": mount, "readOnly": True} in container["volumeMounts"]
+    env = {"name": "EMBER_FUNCTION_HANDLER", "value": f"team/chat/{code.digest}/hello.py:handler"}
+    assert env in container["env"]
+    assert {"name": "EMBER_HOME", "value": cluster_keys.NODE_HOME} in container["env"]  # the mount's root
+
+    # New code: a new ConfigMap and a new pod template (so a new revision); the default handler: none.
+    newer = HandlerCode("hello.py", "handler", HELLO + "# v2\n")
+    again = render_record(record("chat", "team", handler="hello.py:handler"), KnativeConfig(), newer)
+    assert again.config_map is not None and again.config_map["metadata"]["name"] != name
+    assert pod_spec(again) != pod
+    plain = render_record(record("chat", "team"), KnativeConfig())
+    assert plain.config_map is None and all("configMap" not in v for v in pod_spec(plain)["volumes"])
+
+
+@pytest.mark.parametrize(
+    ("handler", "code"),
+    [
+        ("hello.py:handler", None),  # the module's source is needed
+        ("hello.py:other", HandlerCode("hello.py", "handler", HELLO)),  # another function
+        ("other.py:handler", HandlerCode("hello.py", "handler", HELLO)),  # another module
+        (f"/x/{'0' * 24}/hello.py:handler", HandlerCode("hello.py", "handler", HELLO)),  # other code
+    ],
+)
+def test_a_custom_handler_renders_only_with_the_module_it_names(
+    handler: str, code: HandlerCode | None
+) -> None:
+    with pytest.raises(SpecError, match=r"spec\.handler"):
+        render_record(record(handler=handler), KnativeConfig(), code)
+
+
+def test_handler_code_is_bounded_and_named_as_the_gateway_stores_it() -> None:
+    with pytest.raises(SpecError, match="larger than"):
+        HandlerCode("big.py", "handler", "#" * (MAX_MODULE_BYTES + 1))
+    for module, function in (("../x.py", "f"), ("x.txt", "f"), ("x.py", "not-an-identifier")):
+        with pytest.raises(SpecError):
+            HandlerCode(module, function, "")
+    stand_in = HandlerCode.stand_in("/roots/team/hello.py:handler")  # checked before it is stored
+    assert (stand_in.module, stand_in.function) == ("hello.py", "handler")
+    assert stand_in.matches(f"/x/{'0' * 24}/hello.py:handler")
+    code = HandlerCode("hello.py", "handler", HELLO)
+    assert code.digest == code_digest("hello.py", HELLO.encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -124,3 +125,33 @@ def test_forget_from_drops_the_record_whether_or_not_it_is_still_in_that_state(s
     state.forget_from("f", a, "starting")  # the usual case: a failed start
     state.forget_from("f", b, "starting")  # lost a race (b is ready): forgotten all the same
     assert state.instances("f") == [] and not state.r.exists(f"{state.p}instance:{b}")
+
+
+def test_an_expiring_record_goes_unless_refreshed_and_readers_tolerate_it(state: ClusterState) -> None:
+    """Issue 11: a Knative pod's record expires unless its heartbeat renews it; a record that
+    expired between SMEMBERS and HGETALL is skipped, and its id leaves the function's set."""
+    kept = state.add_instance("f", "n/cpu", ttl_s=0.3)
+    lost = state.add_instance("f", "n/cpu", ttl_s=0.3)
+    plain = state.add_instance("f", "n/cpu")  # an instance Ember's router runs: no TTL
+    assert 0 < state.r.pttl(f"{state.p}instance:{kept}") <= 300
+    assert state.r.pttl(f"{state.p}instance:{plain}") == -1
+    fields = dict(state.r.hgetall(f"{state.p}instance:{kept}"))
+    for _ in range(4):  # 0.6 s: past the TTL, renewed every 0.15 s
+        time.sleep(0.15)
+        assert state.refresh_instance("f", kept, 0.3, fields)
+    assert [i.instance_id for i in state.instances("f")] == [kept, plain]
+    assert state.r.smembers(f"{state.p}fn:f:instances") == {kept, plain}  # the expired id pruned
+    state.transition(kept, "starting", "ready", url="http://kept", deadline=1.0)  # keeps the TTL
+    assert state.r.pttl(f"{state.p}instance:{kept}") > 0
+    assert lost not in state.r.smembers(f"{state.p}fn:f:instances")
+    # A record that expired while its pod could not reach Redis: the next refresh writes it again.
+    state.r.delete(f"{state.p}instance:{kept}")
+    state.r.srem(f"{state.p}fn:f:instances", kept)
+    assert not state.refresh_instance("f", kept, 0.3, fields)
+    assert [(i.instance_id, i.state) for i in state.instances("f")] == [
+        (kept, "starting"),
+        (plain, "starting"),
+    ]
+    assert 0 < state.r.pttl(f"{state.p}instance:{kept}") <= 300
+    with pytest.raises(ValueError, match="TTL"):
+        state.add_instance("f", "n/cpu", ttl_s=0.0)
