@@ -5,20 +5,22 @@ function. Two implementations, picked by ``EMBER_KNATIVE_APPLY`` (:func:`make_ba
 
 - ``api`` (default): :class:`scheduler.knative.kube.KubernetesBackend`, the Kubernetes API
   through the official client (in-cluster config or kubeconfig).
-- ``dir:/path``: :class:`DirectoryBackend` writes the objects as YAML files under ``/path``
-  for a GitOps tool (Argo CD, Flux) to apply: ``<service>.service.yaml``,
-  ``<service>.secret.yaml`` and, for a custom handler, ``<service>.code.yaml`` (the current
-  code's ConfigMap: the previous one leaves the directory when it is replaced, and the
-  tool's pruning removes it from the cluster). The Secret file holds the function's worker token (mode 0600):
-  keep it out of version control, or encrypt it (SOPS, sealed-secrets) in the pipeline that
-  commits the directory. There is no cluster to ask, so readiness is ``Unknown`` (``NoCluster``).
+- ``dir:/path``: :class:`DirectoryBackend` writes the objects as YAML files under ``/path`` for
+  a GitOps tool (Argo CD, Flux) to apply: ``<service>.service.yaml``, ``<service>.secret.yaml``
+  and, for a custom handler, ``<service>.code.yaml`` (the current code's ConfigMap) and
+  ``<service>.code-previous.yaml`` (the one it replaced; older ones leave the directory, and
+  the tool's pruning removes them from the cluster). The Secret file holds the function's
+  worker token (mode 0600): keep it out of version control, or encrypt it (SOPS, sealed-
+  secrets) in the pipeline that commits the directory. There is no cluster to ask, so readiness
+  is ``Unknown`` (``NoCluster``).
 
 A custom handler's ConfigMap is applied first (pods of the new revision mount it), and the
-function's ConfigMaps of older code are removed once the new Service is applied: pods already
-running keep the files they mounted. Both refuse to overwrite or delete an object that another
-function (or nobody Ember knows) owns: the ``ember.dev/function-id`` annotation must name the
-function (:class:`ServiceConflict`).
-Calls block (the Kubernetes client is synchronous): the gateway runs them in threads.
+function's ConfigMaps of older code are removed once the new Service is applied, except the
+previous code's: while the new revision rolls out, Knative may still start pods of the previous
+one, which mount it (pods already running keep the files they mounted). Both refuse to
+overwrite or delete an object that another function (or nobody Ember knows) owns: the
+``ember.dev/function-id`` annotation must name the function (:class:`ServiceConflict`). Calls
+block (the Kubernetes client is synchronous): the gateway runs them in threads.
 """
 
 from __future__ import annotations
@@ -96,12 +98,13 @@ class DirectoryBackend(BaseServiceBackend):
         self.directory = directory
         self.namespace = namespace
 
-    def paths(self, service: str) -> tuple[Path, Path, Path]:
-        """(Service file, Secret file, handler ConfigMap file) of ``service``."""
+    def paths(self, service: str) -> tuple[Path, Path, Path, Path]:
+        """(Service file, Secret file, handler ConfigMap file, the previous code's) of ``service``."""
         return (
             self.directory / f"{service}.service.yaml",
             self.directory / f"{service}.secret.yaml",
             self.directory / f"{service}.code.yaml",
+            self.directory / f"{service}.code-previous.yaml",
         )
 
     def apply(
@@ -112,23 +115,30 @@ class DirectoryBackend(BaseServiceBackend):
         config_map: Mapping[str, Any] | None = None,
     ) -> None:
         name = str(service["metadata"]["name"])
-        service_path, secret_path, code_path = self.paths(name)
+        service_path, secret_path, code_path, previous_path = self.paths(name)
+        current = None
         for path, what in (
             (service_path, f"Service {name}"),
             (secret_path, f"Secret {token_secret_name(name)}"),
             (code_path, f"the handler ConfigMap file of {name}"),
+            (previous_path, f"the previous handler ConfigMap file of {name}"),
         ):
             existing = self._read(path)
             if existing is not None:
                 check_owner(existing, function_id, what)
+            if path == code_path:
+                current = existing
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            replaced = current is not None and (
+                config_map is None or current["metadata"]["name"] != config_map["metadata"]["name"]
+            )
+            if replaced:  # kept one version: the previous revision may still start pods
+                os.replace(code_path, previous_path)
             if config_map is not None:
                 _write(code_path, config_map, 0o644)
             _write(secret_path, secret, 0o600)
             _write(service_path, service, 0o644)
-            if config_map is None:
-                code_path.unlink(missing_ok=True)  # now the default handler: no code
         except OSError as exc:
             raise KnativeError(
                 f"cannot write the manifests of {name} under {self.directory}: {exc}"

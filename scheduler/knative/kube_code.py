@@ -50,14 +50,17 @@ def plan_code(existing: Mapping[str, Any] | None, desired: Mapping[str, Any], fu
 def stale_code(
     items: Sequence[Mapping[str, Any]], keep: str | None, function_id: str
 ) -> list[tuple[str, str]]:
-    """``(name, uid)`` of the listed ConfigMaps to delete: ``function_id``'s own, but ``keep``."""
-    out = []
+    """``(name, uid)`` of the listed ConfigMaps to delete: ``function_id``'s own but ``keep``
+    and, when ``keep`` is given, the newest other one (by ``creationTimestamp``): the previous
+    revision may still start pods while the new one rolls out, and they mount their code."""
+    owned = []
     for item in items:
         metadata = item.get("metadata") or {}
         name, uid = metadata.get("name"), metadata.get("uid")
         if name != keep and isinstance(name, str) and isinstance(uid, str) and owner_of(item) == function_id:
-            out.append((name, uid))
-    return out
+            owned.append((str(metadata.get("creationTimestamp") or ""), name, uid))
+    owned.sort(reverse=True)  # RFC 3339 UTC timestamps sort as text; newest first
+    return [(name, uid) for _, name, uid in owned[1 if keep is not None else 0 :]]
 
 
 class CodeMaps:

@@ -160,7 +160,7 @@ def directory(tmp_path: Path) -> tuple[KnativeDeployments, DirectoryBackend]:
 def test_the_directory_backend_writes_what_a_gitops_tool_applies(tmp_path: Path) -> None:
     deployments, backend = directory(tmp_path)
     deployments.apply(record())
-    service_path, secret_path, _ = backend.paths("smollm2-chat")
+    service_path, secret_path, *_ = backend.paths("smollm2-chat")
     assert yaml.safe_load(service_path.read_text()) == desired()
     secret = yaml.safe_load(secret_path.read_text())
     assert secret["stringData"] == {"token": TOKENS.token(FUNCTION_ID)}
@@ -216,24 +216,34 @@ def custom(source: str = HELLO) -> tuple[FunctionRecord, HandlerCode]:
     return record(handler="hello.py:handler"), HandlerCode("hello.py", "handler", source)
 
 
-def test_the_directory_backend_writes_the_current_code_and_drops_it_with_the_function(tmp_path: Path) -> None:
+def test_the_directory_backend_keeps_the_current_and_previous_code_and_drops_them_with_the_function(
+    tmp_path: Path,
+) -> None:
     codes: list[HandlerCode] = []
     config = KnativeConfig(apply_dir=tmp_path / "manifests")
     backend = make_backend(config)
     assert isinstance(backend, DirectoryBackend)
     deployments = KnativeDeployments(config, TOKENS, backend, lambda _: codes[-1])
-    service_path, _, code_path = backend.paths("smollm2-chat")
-    for source in (HELLO, HELLO + "# v2\n"):  # a deploy, then one with new code
+    service_path, _, code_path, previous_path = backend.paths("smollm2-chat")
+    maps = []
+    for source in (HELLO, HELLO + "# v2\n", HELLO + "# v3\n"):  # a deploy, then two with new code
         rec, code = custom(source)
         codes.append(code)
         rendered = deployments.apply(rec)
+        maps.append(rendered.config_map)
         assert yaml.safe_load(code_path.read_text()) == rendered.config_map
         assert rendered.config_map is not None and rendered.config_map["data"] == {"hello.py": source}
         volumes = yaml.safe_load(service_path.read_text())["spec"]["template"]["spec"]["volumes"]
         assert {"name": "ember-handler", "configMap": {"name": f"smollm2-chat-code-{code.digest}",
                                                        "defaultMode": 0o444}} in volumes  # fmt: skip
-    deployments.apply(record())  # back to the default handler: no code left in the directory
-    assert not code_path.exists()
+        # The previous revision may still start pods while this one rolls out: its code stays.
+        assert (yaml.safe_load(previous_path.read_text()) if len(maps) > 1 else None) == (
+            maps[-2] if len(maps) > 1 else None
+        ) or (len(maps) == 1 and not previous_path.exists())
+    deployments.apply(custom(HELLO + "# v3\n")[0])  # the same code again: nothing moves
+    assert yaml.safe_load(previous_path.read_text()) == maps[1]
+    deployments.apply(record())  # back to the default handler: the last code becomes the previous
+    assert not code_path.exists() and yaml.safe_load(previous_path.read_text()) == maps[2]
     deployments.apply(custom()[0])
     assert deployments.remove(FUNCTION_ID) is True
     assert not list((tmp_path / "manifests").glob("smollm2-chat.*"))
@@ -247,11 +257,13 @@ def test_a_custom_handler_without_a_code_reader_is_a_spec_error(tmp_path: Path) 
 
 
 def configmap(
-    name: str, owner: str | None, data: dict[str, str] | None = None, uid: str = "u"
+    name: str, owner: str | None, data: dict[str, str] | None = None, uid: str = "u", created: str = ""
 ) -> dict[str, Any]:
     """A ConfigMap as the API returns it."""
     annotations = {cluster_keys.ANNOTATION_FUNCTION_ID: owner} if owner else {}
     metadata = {"name": name, "uid": uid, "resourceVersion": "7", "annotations": annotations}
+    if created:
+        metadata["creationTimestamp"] = created
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data or {}}
 
 
@@ -270,15 +282,18 @@ def test_a_handler_configmap_is_created_once_and_never_replaced() -> None:
 
 def test_only_the_functions_own_older_configmaps_are_cleaned_up() -> None:
     listed = [
-        configmap("smollm2-chat-code-new", FUNCTION_ID, uid="1"),
-        configmap("smollm2-chat-code-old", FUNCTION_ID, uid="2"),
+        configmap("smollm2-chat-code-new", FUNCTION_ID, uid="1", created="2026-11-23T10:00:02Z"),
+        configmap("smollm2-chat-code-old", FUNCTION_ID, uid="2", created="2026-11-23T10:00:00Z"),
+        configmap("smollm2-chat-code-prev", FUNCTION_ID, uid="5", created="2026-11-23T10:00:01Z"),
         configmap("smollm2-chat-code-theirs", "someone-else", uid="3"),  # its labels, not its owner
         configmap("smollm2-chat-code-nobody", None, uid="4"),
     ]
+    # The newest older one stays: the previous revision may still start pods during a rollout.
     assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID) == [("smollm2-chat-code-old", "2")]
-    assert stale_code(listed, None, FUNCTION_ID) == [
+    assert sorted(stale_code(listed, None, FUNCTION_ID)) == [
         ("smollm2-chat-code-new", "1"),
         ("smollm2-chat-code-old", "2"),
+        ("smollm2-chat-code-prev", "5"),
     ]
     assert code_selector("team-a/chat") == (
         "ember.dev/function=chat,ember.dev/namespace=team-a,app.kubernetes.io/managed-by=ember"
