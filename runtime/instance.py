@@ -144,12 +144,13 @@ class ModelBinding:
 
     async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
         """Run one request to completion."""
-        text, n, reason = "", 0, None
+        text, n, reason, cached = "", 0, None, 0
         async for out in self.engine.stream(ids, params):
             text += out.text_delta
             n += 1
             reason = out.finish_reason
-        return Completion(text, len(ids), n, reason.value if reason else None)
+            cached = out.cached_tokens
+        return Completion(text, len(ids), n, reason.value if reason else None, cached)
 
 
 def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:

@@ -40,7 +40,13 @@ def pool(tiny: RegisteredModel, tmp_path: Path) -> Iterator[PoolProcess]:
         p.stop()
 
 
-def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_seqs: int = 32) -> Engine:
+def make_engine(
+    tiny: RegisteredModel,
+    client: PoolClient,
+    refill: int = 8,
+    max_seqs: int = 32,
+    prefix_caching: bool = True,
+) -> Engine:
     config = LlamaConfig.from_hf(tiny.config)
     model = LlamaModel(config, client.acquire(tiny.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
@@ -51,7 +57,7 @@ def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_
         {2},
         PoolKV(client, block_bytes),
         torch.float32,
-        EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs)),
+        EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs), prefix_caching),
     )
 
 
@@ -96,7 +102,9 @@ def test_kv_bytes_follow_live_tokens_and_all_return(tiny: RegisteredModel, pool:
             held_by_seqs = sum(len(s.block_table) for s in live)
             assert held_by_seqs == needed
             assert (
-                client.stats()["kv_bytes"] == (engine.blocks.num_held + len(engine.blocks.free)) * block_bytes
+                client.stats()["kv_bytes"]
+                == (engine.blocks.num_held + len(engine.blocks.free) + len(engine.blocks.evictable))
+                * block_bytes
             )
         assert steps > 5
         engine.close()
@@ -372,3 +380,44 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
     message, healthy = asyncio.run(run())
     assert "the engine failed" in message and len(healthy) == 4
     assert not engine.scheduler.has_work() and engine.blocks.num_held == 0  # all blocks came back
+
+
+def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    system = list(range(40, 40 + 5 * BLOCK + 2))  # 22 tokens: 5 full blocks
+    ps = [*([*system, 7 + i, 9] for i in range(4)), system]
+    with PoolClient(pool.socket_path) as client:
+        plain = make_engine(tiny, client, prefix_caching=False)
+        expected = [plain.generate([p], GREEDY)[0].output_ids for p in ps]
+        plain.close()
+        engine = make_engine(tiny, client)
+        first = engine.generate([ps[0]], GREEDY)[0]
+        assert first.cached_tokens == 0 and first.output_ids == expected[0]
+        rest = engine.generate(ps[1:], GREEDY)  # admitted together: all hit the first's blocks
+        assert [s.output_ids for s in rest] == expected[1:]
+        assert [s.cached_tokens for s in rest] == [5 * BLOCK] * 4
+        assert engine.blocks.stats.hit_tokens == 4 * 5 * BLOCK
+        engine.close()
+        assert client.stats()["kv_bytes"] == 0
+
+
+def test_streamed_outputs_report_cached_tokens(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    import asyncio
+
+    prompt = list(range(60, 60 + 3 * BLOCK + 1))
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+
+        async def main() -> tuple[list[int], list[int]]:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                cold = [o.cached_tokens async for o in engine.stream(prompt, GREEDY)]
+                warm = [o.cached_tokens async for o in engine.stream(prompt, GREEDY)]
+                return cold, warm
+            finally:
+                driver.cancel()
+
+        cold, warm = asyncio.run(main())
+        assert set(cold) == {0} and set(warm) == {3 * BLOCK}
+        engine.close()
