@@ -264,7 +264,9 @@ class BlockManager:
         seq.num_registered = 0
 
     def trim(self, keep: int = 0) -> None:
-        """Return unused blocks beyond ``keep`` to the source (free ones first, then cached)."""
+        """Return unused blocks beyond ``keep`` to the source (free ones first, then cached),
+        after handing the source what was queued for publishing."""
+        self.flush_publish()
         extra: list[int] = []
         while len(self.free) + len(self.evictable) > keep:
             if self.free:

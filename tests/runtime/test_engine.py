@@ -46,6 +46,7 @@ def make_engine(
     refill: int = 8,
     max_seqs: int = 32,
     prefix_caching: bool = True,
+    prefix_model: str | None = None,
 ) -> Engine:
     config = LlamaConfig.from_hf(tiny.config)
     model = LlamaModel(config, client.acquire(tiny.manifest()))
@@ -55,7 +56,7 @@ def make_engine(
         model,
         tok,
         {2},
-        PoolKV(client, block_bytes),
+        PoolKV(client, block_bytes, prefix_model),
         torch.float32,
         EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs), prefix_caching),
     )
@@ -421,3 +422,32 @@ def test_streamed_outputs_report_cached_tokens(tiny: RegisteredModel, pool: Pool
         cold, warm = asyncio.run(main())
         assert set(cold) == {0} and set(warm) == {3 * BLOCK}
         engine.close()
+
+
+def test_a_later_instance_restores_the_prefix_a_finished_one_published(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    system = list(range(80, 80 + 6 * BLOCK + 1))
+    first_prompt, later_prompt = [*system, 5, 6], [*system, 9]  # 6 full blocks in common
+    with PoolClient(pool.socket_path) as client:
+        plain = make_engine(tiny, client, prefix_caching=False)
+        expected = [plain.generate([p], GREEDY)[0].output_ids for p in (first_prompt, later_prompt)]
+        plain.close()
+    with PoolClient(pool.socket_path) as client:  # an instance that ends after one request
+        first = make_engine(tiny, client, prefix_model=tiny.model_id)
+        done = first.generate([first_prompt], GREEDY)[0]
+        assert done.cached_tokens == 0 and done.output_ids == expected[0]
+        assert client.stats()["prefix_blocks"] == 6  # its full prompt blocks, published once
+        first.generate([first_prompt], GREEDY)  # a local hit: nothing published again
+        assert client.stats()["prefix_blocks_published"] == 6
+    with PoolClient(pool.socket_path) as client:  # a new instance of the same model
+        later = make_engine(tiny, client, prefix_model=tiny.model_id)
+        done = later.generate([later_prompt], GREEDY)[0]
+        assert done.cached_tokens == 6 * BLOCK and later.blocks.stats.restored_tokens == 6 * BLOCK
+        assert done.output_ids == expected[1]  # the same tokens as computing the prefix
+        again = later.generate([later_prompt], GREEDY)[0]  # now a local hit, no pool call
+        assert again.cached_tokens == 6 * BLOCK and later.blocks.stats.restored_tokens == 6 * BLOCK
+        later.close()
+    with PoolClient(pool.socket_path) as client:  # prefix sharing off: nothing restored
+        alone = make_engine(tiny, client)
+        assert alone.generate([later_prompt], GREEDY)[0].cached_tokens == 0
