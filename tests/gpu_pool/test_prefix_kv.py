@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpu_pool.client import PoolClient, RemotePoolError
-from gpu_pool.errors import Forbidden, InvalidArgument
+from gpu_pool.config import PoolConfig
+from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument
 from gpu_pool.manifest import Manifest
 from tests.conftest import PoolProcess, random_tensors, write_entry
 
@@ -158,3 +159,14 @@ def test_scoped_tickets_keep_prefixes_within_their_scope(
         unscoped.acquire(manifest)
         ids, _ = fill(unscoped, 2, seed=7)
         assert unscoped.kv_restore("m", LAYOUT, hashes, ids) == 0
+
+
+def test_prefix_bytes_config_fails_loudly() -> None:
+    base = {"EMBER_POOL_DEVICE": "cpu", "EMBER_POOL_ARENA": "64MiB", "EMBER_POOL_SOCKET": "/tmp/x.sock"}
+    assert PoolConfig.from_env(base).prefix_bytes is None  # a quarter of the arena
+    assert PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "8MiB"}).prefix_bytes == 8 << 20
+    assert PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "0"}).prefix_bytes == 0
+    with pytest.raises(ConfigError, match="EMBER_POOL_PREFIX_BYTES"):
+        PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="prefix_bytes"):
+        PoolConfig(device="cpu", arena_bytes=1 << 20, socket_path="/tmp/x.sock", prefix_bytes=-1)
