@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV bytes a session without a ticket may hold, or 'unlimited' "
         "(EMBER_POOL_SESSION_KV_QUOTA; default: unlimited without an admin token, else 0)",
     )
+    parser.add_argument(
+        "--prefix-bytes",
+        metavar="SIZE",
+        help="bound on published prefix KV kept for later instances, 0 to keep none "
+        "(EMBER_POOL_PREFIX_BYTES; default: a quarter of the arena)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PoolConfig:
@@ -53,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         store_roots=tuple(args.store) if args.store else None,
         admin_token=read_admin_token(args.admin_token_file) if args.admin_token_file else None,
         session_kv_quota=args.session_kv_quota,
+        prefix_bytes=parse_size(args.prefix_bytes, "--prefix-bytes") if args.prefix_bytes else None,
     )
 
 

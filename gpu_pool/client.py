@@ -213,6 +213,39 @@ class PoolClient:
         freed: int = self._call("kv_free", block_ids=list(block_ids))["freed"]
         return freed
 
+    def kv_publish(
+        self,
+        model_id: str,
+        layout: str,
+        hashes: list[bytes],
+        block_ids: list[int],
+        recompute_s: float = 0.0,
+    ) -> int:
+        """Publish this session's (fully written) KV blocks ``block_ids`` as prefix KV of
+        ``model_id`` in ``layout``, keyed by their chained ``hashes``: the daemon copies them into
+        the arena, where later instances can restore them after this one ends. Hashes already
+        published are only touched. ``recompute_s``: seconds a prefill of one block takes (its
+        eviction cost). Returns how many blocks were copied."""
+        reply = self._call(
+            "kv_publish",
+            model_id=model_id,
+            layout=layout,
+            hashes=list(hashes),
+            block_ids=list(block_ids),
+            recompute_s=float(recompute_s),
+        )
+        published: int = reply["published"]
+        return published
+
+    def kv_restore(self, model_id: str, layout: str, hashes: list[bytes], block_ids: list[int]) -> int:
+        """Fill this session's blocks ``block_ids`` with the published KV of the longest run of
+        ``hashes`` from the first; returns how many blocks were filled."""
+        reply = self._call(
+            "kv_restore", model_id=model_id, layout=layout, hashes=list(hashes), block_ids=list(block_ids)
+        )
+        restored: int = reply["restored"]
+        return restored
+
     def stats(self) -> dict[str, Any]:
         """The pool's capacity, occupancy and reuse counters."""
         stats: dict[str, Any] = self._call("stats")["stats"]
@@ -224,10 +257,14 @@ class PoolClient:
         freed: int = self._call("evict", model_id=model_id)["bytes_evicted"]
         return freed
 
-    def grant(self, kv_quota_bytes: int) -> str:
+    def grant(self, kv_quota_bytes: int, prefix_scope: str | None = None) -> str:
         """Admin: a single-use ticket; the session whose hello presents it may hold
-        ``kv_quota_bytes`` of KV blocks."""
-        ticket: str = self._call("grant", kv_quota_bytes=kv_quota_bytes)["ticket"]
+        ``kv_quota_bytes`` of KV blocks and shares published prefix KV only with sessions of the
+        same ``prefix_scope`` (None: with every session that has no scoped ticket)."""
+        fields: dict[str, Any] = {"kv_quota_bytes": kv_quota_bytes}
+        if prefix_scope is not None:
+            fields["prefix_scope"] = prefix_scope
+        ticket: str = self._call("grant", **fields)["ticket"]
         return ticket
 
     # ----- arena views ---------------------------------------------------------------------------

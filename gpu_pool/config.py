@@ -80,6 +80,8 @@ class PoolConfig:
     # (unlimited without an admin token, since nobody could grant more; 0 with one).
     session_kv_quota: int | Literal["auto"] | None = "auto"
     max_tickets: int = 4096  # outstanding (granted, unused) tickets
+    # Published prefix KV (gpu_pool.server.prefix_kv) kept at most; None: a quarter of the arena.
+    prefix_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -104,6 +106,10 @@ class PoolConfig:
             raise ConfigError(f"session_kv_quota: expected bytes >= 0, 'unlimited' or 'auto', got {quota!r}")
         if self.max_tickets < 1:
             raise ConfigError("max_tickets must be >= 1")
+        if self.prefix_bytes is not None and (
+            not isinstance(self.prefix_bytes, int) or self.prefix_bytes < 0
+        ):
+            raise ConfigError(f"prefix_bytes: expected bytes >= 0, got {self.prefix_bytes!r}")
 
     @property
     def default_session_kv_quota(self) -> int | None:
@@ -148,6 +154,8 @@ class PoolConfig:
             values["session_kv_quota"] = parse_quota(
                 env["EMBER_POOL_SESSION_KV_QUOTA"], "EMBER_POOL_SESSION_KV_QUOTA"
             )
+        if "EMBER_POOL_PREFIX_BYTES" in env:
+            values["prefix_bytes"] = parse_size(env["EMBER_POOL_PREFIX_BYTES"], "EMBER_POOL_PREFIX_BYTES")
         values.update({k: v for k, v in overrides.items() if v is not None})
         quota = values.get("session_kv_quota")
         if isinstance(quota, str) and quota != "auto":  # from a flag: parse like the variable

@@ -226,7 +226,9 @@ class NodeAgent:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
         concurrency = int(spec["spec"]["scaling"]["concurrency"])
         quota = await asyncio.to_thread(self._kv_quota, model["dir"], concurrency)
-        ticket = await asyncio.to_thread(self._grant, device, quota)
+        meta = spec["metadata"]
+        scope = f"{meta.get('namespace', 'default')}/{meta['name']}"  # prefix KV stays per function
+        ticket = await asyncio.to_thread(self._grant, device, quota, scope)
         try:
             message = AssignMessage(
                 instance_id, spec, model["dir"], self.pools[device].socket_path, ticket, deadline
@@ -249,13 +251,14 @@ class NodeAgent:
             )
         return instance_kv_quota(shape[0], shape[1], concurrency, self.config.arena_bytes)
 
-    def _grant(self, device: str, kv_quota_bytes: int) -> str:
-        """A single-use pool ticket for one instance's session (this agent is the pool's admin)."""
+    def _grant(self, device: str, kv_quota_bytes: int, prefix_scope: str) -> str:
+        """A single-use pool ticket for one instance's session (this agent is the pool's admin):
+        its KV quota, and the scope its published prefix KV is shared in (its function's)."""
         from gpu_pool.client import PoolClient
 
         pool = self.pools[device]
         with PoolClient(pool.socket_path, timeout=5.0, admin_token=pool.admin_token) as client:
-            return client.grant(kv_quota_bytes)
+            return client.grant(kv_quota_bytes, prefix_scope)
 
     async def evict(self, model_id: str | None = None) -> int:
         """Admin: evict the inactive tensors of ``model_id`` (all models: None) from every pool;

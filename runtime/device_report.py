@@ -31,6 +31,7 @@ def device_record(node: str, device: str, stats: dict[str, Any], workers: dict[s
         "resident_bytes": stats["resident_bytes"],
         "pinned_bytes": stats["pinned_bytes"],
         "kv_bytes": stats["kv_bytes"],
+        "prefix_bytes": stats.get("prefix_bytes", 0),  # published prefix KV (evictable)
         "bytes_loaded": stats["bytes_loaded"],
         "bytes_reused": stats["bytes_reused"],
         "bytes_moved": stats["bytes_moved"],

@@ -144,12 +144,22 @@ class ModelBinding:
 
     async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
         """Run one request to completion."""
-        text, n, reason = "", 0, None
+        text, n, reason, cached = "", 0, None, 0
         async for out in self.engine.stream(ids, params):
             text += out.text_delta
             n += 1
             reason = out.finish_reason
-        return Completion(text, len(ids), n, reason.value if reason else None)
+            cached = out.cached_tokens
+        return Completion(text, len(ids), n, reason.value if reason else None, cached)
+
+
+def _block_prefill_s(profile: dict[str, Any]) -> float:
+    """Seconds a prefill of one KV block takes, from the materialized warm-up timings."""
+    warmup = profile.get("warmup") or {}
+    tokens, ms = warmup.get("prefill_tokens"), warmup.get("prefill_ms")
+    if not tokens or not ms:
+        return 0.0
+    return float(ms) / 1e3 / float(tokens) * int(profile["block_size"])
 
 
 def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
@@ -175,7 +185,7 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
         LlamaModel(config, tensors),
         template.tokenizer,
         template.eos_ids,
-        PoolKV(client, profile["kv_block_bytes"]),
+        PoolKV(client, profile["kv_block_bytes"], template.model.model_id, _block_prefill_s(profile)),
         dtype,
         EngineConfig(profile["block_size"]),
     )

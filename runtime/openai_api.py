@@ -261,6 +261,17 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def completion_body(rid: str, model: str, chat: bool, done: Completion) -> dict[str, Any]:
@@ -276,11 +287,7 @@ def completion_body(rid: str, model: str, chat: bool, done: Completion) -> dict[
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-        },
+        "usage": usage_body(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
     }
 
 
@@ -308,11 +315,12 @@ async def sse_chunks(
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = 0
+    cached = 0
 
-    def usage() -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    def usage() -> dict[str, Any]:
+        return usage_body(prompt_tokens, n, cached)
 
-    def event(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
+    def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model}
         body["choices"] = choices
         if usage is not None or include_usage:
@@ -332,6 +340,7 @@ async def sse_chunks(
     try:
         async for out in stream:
             n += 1
+            cached = out.cached_tokens
             reason = out.finish_reason.value if out.finish_reason else None
             if out.text_delta or reason:
                 yield chunk(out.text_delta, reason)

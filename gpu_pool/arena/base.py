@@ -53,6 +53,15 @@ class BaseArena(ABC):
     def load(self, groups: Sequence[Sequence[CopyJob]]) -> None:
         """Run copy groups from store files into the arena, groups in parallel; returns when done."""
 
+    def copy_from_fd(self, fd: int, fd_offset: int, dst: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of file ``fd`` at ``fd_offset`` into the arena at ``dst`` (a session's KV
+        memory into a published prefix block; only backends with private KV files need it)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV outside the arena")
+
+    def copy_to_fd(self, fd: int, fd_offset: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of the arena at ``src`` into file ``fd`` at ``fd_offset``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV outside the arena")
+
     @abstractmethod
     def read(self, offset: int, nbytes: int) -> bytes:
         """The arena's bytes ``[offset, offset + nbytes)`` (for verification and tests)."""

@@ -144,6 +144,23 @@ class CpuArena(BaseArena):
         finally:
             view.release()
 
+    def copy_from_fd(self, fd: int, fd_offset: int, dst: int, nbytes: int) -> None:
+        self._check_range(dst, nbytes)
+        with memoryview(self._mmap) as view:
+            done = 0
+            while done < nbytes:  # preadv may return short counts
+                n = os.preadv(fd, [view[dst + done : dst + nbytes]], fd_offset + done)
+                if n <= 0:
+                    raise OSError(f"KV file ends before byte {fd_offset + nbytes}")
+                done += n
+
+    def copy_to_fd(self, fd: int, fd_offset: int, src: int, nbytes: int) -> None:
+        self._check_range(src, nbytes)
+        with memoryview(self._mmap) as view:
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, view[src + done : src + nbytes], fd_offset + done)
+
     def read(self, offset: int, nbytes: int) -> bytes:
         self._check_range(offset, nbytes)
         return self._mmap[offset : offset + nbytes]

@@ -32,6 +32,7 @@ class Session:
     ticketed: bool = False
     kv: SessionKV | None = None  # CPU pools: the session's private KV pages
     kv_sent: bool = False  # whether the client has received kv's descriptor
+    prefix_scope: str = ""  # whose published prefix KV it shares (gpu_pool.server.prefix_kv)
 
 
 class AccessControl:
@@ -41,7 +42,7 @@ class AccessControl:
         self._admin_token = admin_token
         self.default_kv_quota = default_kv_quota
         self.max_tickets = max_tickets
-        self._tickets: OrderedDict[str, int] = OrderedDict()  # ticket -> KV quota in bytes
+        self._tickets: OrderedDict[str, tuple[int, str]] = OrderedDict()  # ticket -> quota, scope
 
     def new_session(self, session_id: str) -> Session:
         """A session before its hello: default quota, no admin rights."""
@@ -59,10 +60,11 @@ class AccessControl:
         if ticket is not None:
             if session.ticketed:
                 raise Forbidden("hello: this session already redeemed a ticket")
-            quota = self._tickets.pop(ticket, None)
-            if quota is None:
+            granted = self._tickets.pop(ticket, None)
+            if granted is None:
                 raise Forbidden("hello: unknown or already used ticket")
             session.ticketed = True
+            quota, session.prefix_scope = granted
             if not session.admin:
                 session.kv_quota = quota
 
@@ -71,11 +73,13 @@ class AccessControl:
         if not session.admin:
             raise Forbidden(f"{op} is an admin operation: say hello with the pool's admin token")
 
-    def grant(self, session: Session, kv_quota_bytes: int) -> str:
-        """A new single-use ticket for ``kv_quota_bytes`` of KV blocks (admin only)."""
+    def grant(self, session: Session, kv_quota_bytes: int, prefix_scope: str | None = None) -> str:
+        """A new single-use ticket for ``kv_quota_bytes`` of KV blocks (admin only); the session
+        that redeems it shares published prefix KV within ``prefix_scope`` only (e.g. one
+        function's instances; None: the pool-wide scope of sessions without a ticket)."""
         self.require_admin(session, "grant")
         ticket = secrets.token_urlsafe(24)
-        self._tickets[ticket] = kv_quota_bytes
+        self._tickets[ticket] = (kv_quota_bytes, "" if prefix_scope is None else f"~{prefix_scope}")
         while len(self._tickets) > self.max_tickets:
             self._tickets.popitem(last=False)
         return ticket

@@ -52,6 +52,7 @@ from gpu_pool.planner.regions import align_up
 from gpu_pool.server.access import AccessControl, Session
 from gpu_pool.server.hardening import make_undumpable
 from gpu_pool.server.manifest_cache import ManifestCache
+from gpu_pool.server.prefix_kv import BlockCopy
 from gpu_pool.server.reuse_store import AcquireResult, KVBlock, ReuseStore, StoreConfig
 from gpu_pool.store.trust import StoreTrust
 from gpu_pool.wire import fdpass, messages
@@ -95,7 +96,10 @@ class PoolDaemon:
     def __init__(self, config: PoolConfig, arena: BaseArena | None = None) -> None:
         self.config = config
         self.arena = arena or make_arena(config)
-        self.store = ReuseStore(self.arena, StoreConfig(eviction=config.eviction, packing=config.packing))
+        self.store = ReuseStore(
+            self.arena,
+            StoreConfig(eviction=config.eviction, packing=config.packing, prefix_bytes=config.prefix_bytes),
+        )
         self._lock = asyncio.Lock()
         self._loading: dict[str, asyncio.Future[bool]] = {}  # tensor key -> its load's outcome
         self._session_ids = itertools.count(1)
@@ -330,7 +334,45 @@ class PoolDaemon:
             return {"bytes_evicted": self.store.evict(request.model_id)}, []
 
     async def _on_grant(self, session: Session, request: messages.Grant) -> Reply:
-        return {"ticket": self._access.grant(session, request.kv_quota_bytes)}, []
+        return {"ticket": self._access.grant(session, request.kv_quota_bytes, request.prefix_scope)}, []
+
+    # ----- prefix KV shared across instances (gpu_pool.server.prefix_kv) ------------------------------
+
+    async def _on_kv_publish(self, session: Session, request: messages.KVPublish) -> Reply:
+        async with self._lock:  # held over the copies: nothing may move or evict those regions
+            state = self.store.sessions[session.session_id]
+            copies, touched = self.store.prefix.publish(
+                state, session.prefix_scope, request.model_id, request.layout,
+                list(request.hashes), list(request.block_ids), request.recompute_s,
+            )  # fmt: skip
+            try:
+                await asyncio.to_thread(self._copy_blocks, session, copies, True)
+            except BaseException:
+                self.store.prefix.forget([c.key for c in copies])  # no block with half its bytes
+                raise
+        return {"published": len(copies), "touched": touched}, []
+
+    async def _on_kv_restore(self, session: Session, request: messages.KVRestore) -> Reply:
+        async with self._lock:
+            state = self.store.sessions[session.session_id]
+            copies = self.store.prefix.restore(
+                state, session.prefix_scope, request.model_id, request.layout,
+                list(request.hashes), list(request.block_ids),
+            )  # fmt: skip
+            await asyncio.to_thread(self._copy_blocks, session, copies, False)
+        return {"restored": len(copies)}, []
+
+    def _copy_blocks(self, session: Session, copies: list[BlockCopy], publish: bool) -> None:
+        """Session KV -> arena (``publish``) or back; on CUDA the KV blocks are the arena's own."""
+        for c in copies:
+            if not self._private_kv:
+                self.arena.move(c.dst, c.src, c.size)
+            elif session.kv is None:
+                raise PoolError("the session has no KV memory")
+            elif publish:
+                self.arena.copy_from_fd(session.kv.fd, c.src, c.dst, c.size)
+            else:
+                self.arena.copy_to_fd(session.kv.fd, c.dst, c.src, c.size)
 
     # ----- per-session KV pages (gpu_pool.arena.kv_memory) ----------------------------------------------
 

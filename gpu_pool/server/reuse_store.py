@@ -34,6 +34,7 @@ from gpu_pool.planner.eviction import (
 )
 from gpu_pool.planner.layout import RegionColumns
 from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, Region, RegionKind, align_up, build_region_list
+from gpu_pool.server.prefix_kv import PrefixIndex, owner
 from gpu_pool.store.fingerprint import fingerprint
 
 
@@ -47,6 +48,7 @@ class StoreConfig:
     horizon_s: float = 60.0  # p_m = P(model requested again within this horizon)
     default_bandwidth: float = 2e9  # bytes/s assumed for b_m until a load is measured
     seed: int = 0  # for the random-eviction baseline
+    prefix_bytes: int | None = None  # bound on published prefix KV (None: a quarter of the arena)
 
     def __post_init__(self) -> None:
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
@@ -55,6 +57,8 @@ class StoreConfig:
             raise ConfigError("horizon_s must be > 0")
         if not self.default_bandwidth > 0:
             raise ConfigError("default_bandwidth must be > 0")
+        if self.prefix_bytes is not None and self.prefix_bytes < 0:
+            raise ConfigError("prefix_bytes must be >= 0")
 
 
 @dataclass(slots=True)
@@ -158,6 +162,8 @@ class ReuseStore:
         self._rng = random.Random(self.config.seed)
         self.counters: Counter[str] = Counter()
         self.load_seconds = 0.0
+        prefix_bytes = self.config.prefix_bytes
+        self.prefix = PrefixIndex(self, arena.capacity // 4 if prefix_bytes is None else prefix_bytes)
 
     # ----- sessions ---------------------------------------------------------------------------
 
@@ -410,6 +416,19 @@ class ReuseStore:
             self.kv_blocks.pop(b, None)
         return len(ids)
 
+    def add_record(
+        self, key: str, offset: int, size: int, entry: TensorEntry, model_id: str, owned_by: str, now: float
+    ) -> None:
+        """An inactive region placed by a plan the caller applied (published prefix KV): evictable
+        and movable like an inactive tensor, priced as ``owned_by``."""
+        rec = TensorRecord(key, offset, size, entry, {model_id}, (owned_by,), last_used=now)
+        self.tensors[key] = rec
+
+    def model_bandwidth(self, model_id: str) -> float:
+        """Bytes/s a reload of ``model_id`` is expected to run at (b_m of Eq. 2)."""
+        m = self.models.get(model_id)
+        return (m.bandwidth if m is not None else None) or self._pool_bandwidth()
+
     # ----- reporting ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -444,6 +463,12 @@ class ReuseStore:
             "bytes_moved": self.counters["bytes_moved"],
             "bytes_evicted": self.counters["bytes_evicted"],
             "reuse_hits": self.counters["reuse_hits"],
+            "prefix_bytes": self.prefix.resident_bytes(),
+            "prefix_blocks": len(self.prefix.live()),
+            "prefix_bytes_max": self.prefix.max_bytes,
+            "prefix_blocks_published": self.counters["prefix_blocks_published"],
+            "prefix_blocks_restored": self.counters["prefix_blocks_restored"],
+            "prefix_blocks_evicted": self.counters["prefix_blocks_evicted"],
             "acquires": self.counters["acquires"],
             "load_bandwidth": loaded / self.load_seconds if self.load_seconds > 0 else 0.0,
             "sessions": len(self.sessions),
@@ -505,6 +530,12 @@ class ReuseStore:
             )
             for m in self.models.values()
         }
+        for model_id, bandwidth in self.prefix.bandwidth.items():
+            # Published prefix blocks: their model's p_m and alpha_m, their own reload time.
+            m = self.models[model_id]
+            inputs[owner(model_id)] = ModelCostInputs(
+                inputs[model_id].miss_probability, bandwidth, m.latency_sensitivity
+            )
         ranking = mce_ranking(
             [t.key for t in inactive],
             [t.size for t in inactive],

@@ -18,6 +18,10 @@ MAX_TOKEN_CHARS = 256  # admin tokens and tickets
 MAX_MODEL_ID_CHARS = 1024
 MAX_BLOCK_IDS = 1 << 20  # per kv_free
 MAX_COUNT = (1 << 63) - 1  # any byte count or id: fits an int64 on every side
+MAX_PREFIX_BLOCKS = 4096  # per kv_publish / kv_restore: 64k tokens of 16-token blocks
+MAX_LAYOUT_CHARS = 256
+PREFIX_HASH_BYTES = 16  # the engine's block hash (blake2b-128)
+MAX_RECOMPUTE_S = 3600.0  # a publisher's stated recompute time per block
 
 
 def _int(msg: dict[str, Any], op: str, name: str, lo: int, hi: int) -> int:
@@ -112,14 +116,79 @@ class KVFree(Request):
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> KVFree:
-        ids = msg.get("block_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ProtocolError("kv_free needs 'block_ids': a list of integers")
-        if len(ids) > MAX_BLOCK_IDS:
-            raise InvalidArgument(f"kv_free: at most {MAX_BLOCK_IDS} block ids per request", "block_ids")
-        if any(not 0 <= i <= MAX_COUNT for i in ids):
-            raise InvalidArgument(f"kv_free: block ids are between 0 and {MAX_COUNT}", "block_ids")
-        return cls(tuple(ids))
+        return cls(_block_ids(msg, cls.op, MAX_BLOCK_IDS))
+
+
+def _block_ids(msg: dict[str, Any], op: str, limit: int) -> tuple[int, ...]:
+    ids = msg.get("block_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ProtocolError(f"{op} needs 'block_ids': a list of integers")
+    if len(ids) > limit:
+        raise InvalidArgument(f"{op}: at most {limit} block ids per request", "block_ids")
+    if any(not 0 <= i <= MAX_COUNT for i in ids):
+        raise InvalidArgument(f"{op}: block ids are between 0 and {MAX_COUNT}", "block_ids")
+    return tuple(ids)
+
+
+def _prefix_fields(msg: dict[str, Any], op: str) -> tuple[str, str, tuple[bytes, ...], tuple[int, ...]]:
+    """``model_id``, ``layout``, ``hashes`` and as many ``block_ids`` of a prefix op."""
+    model_id = _opt_str(msg, op, "model_id", MAX_MODEL_ID_CHARS)
+    layout = _opt_str(msg, op, "layout", MAX_LAYOUT_CHARS)
+    if model_id is None or layout is None:
+        raise ProtocolError(f"{op} needs 'model_id' and 'layout': strings")
+    if "/" in layout:
+        raise InvalidArgument(f"{op}: 'layout' must not contain '/'", "layout")
+    hashes = msg.get("hashes")
+    if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
+        raise ProtocolError(f"{op} needs 'hashes': a list of byte strings")
+    if any(len(h) != PREFIX_HASH_BYTES for h in hashes):
+        raise InvalidArgument(f"{op}: every hash has {PREFIX_HASH_BYTES} bytes", "hashes")
+    ids = _block_ids(msg, op, MAX_PREFIX_BLOCKS)
+    if len(hashes) != len(ids):
+        raise InvalidArgument(
+            f"{op}: one block id per hash ({len(hashes)} hashes, {len(ids)} ids)", "block_ids"
+        )
+    return model_id, layout, tuple(hashes), ids
+
+
+@dataclass(frozen=True, slots=True)
+class KVPublish(Request):
+    """Copy the session's blocks ``block_ids`` (full prompt blocks whose chained hashes are
+    ``hashes``) into the arena as published prefix KV of ``model_id`` in ``layout``."""
+
+    op: ClassVar[str] = "kv_publish"
+    model_id: str
+    layout: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    recompute_s: float  # stated seconds to recompute one block (its eviction cost, capped)
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> KVPublish:
+        model_id, layout, hashes, ids = _prefix_fields(msg, cls.op)
+        cost = msg.get("recompute_s", 0.0)
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool):
+            raise ProtocolError("kv_publish: 'recompute_s' must be a number")
+        if not 0.0 <= cost <= MAX_RECOMPUTE_S:  # NaN fails too
+            raise InvalidArgument(
+                f"kv_publish: 'recompute_s' must be in [0, {MAX_RECOMPUTE_S}]", "recompute_s"
+            )
+        return cls(model_id, layout, hashes, ids, float(cost))
+
+
+@dataclass(frozen=True, slots=True)
+class KVRestore(Request):
+    """Copy the longest published run of ``hashes`` (from the first) into ``block_ids``."""
+
+    op: ClassVar[str] = "kv_restore"
+    model_id: str
+    layout: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> KVRestore:
+        return cls(*_prefix_fields(msg, cls.op))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,14 +205,17 @@ class Evict(Request):
 
 @dataclass(frozen=True, slots=True)
 class Grant(Request):
-    """Admin: a single-use ticket giving the session that presents it ``kv_quota_bytes``."""
+    """Admin: a single-use ticket giving the session that presents it ``kv_quota_bytes`` and,
+    optionally, the scope its published prefix KV is shared in (default: the pool-wide one)."""
 
     op: ClassVar[str] = "grant"
     kv_quota_bytes: int
+    prefix_scope: str | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Grant:
-        return cls(_int(msg, cls.op, "kv_quota_bytes", 0, MAX_COUNT))
+        scope = _opt_str(msg, cls.op, "prefix_scope", MAX_MODEL_ID_CHARS)
+        return cls(_int(msg, cls.op, "kv_quota_bytes", 0, MAX_COUNT), scope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +247,8 @@ class KVMap(_NoFields):
 
 
 MESSAGES: dict[str, type[Request]] = {
-    cls.op: cls for cls in (Hello, Acquire, Release, KVAlloc, KVFree, Stats, Evict, Grant, KVMap)
+    cls.op: cls
+    for cls in (Hello, Acquire, Release, KVAlloc, KVFree, Stats, Evict, Grant, KVMap, KVPublish, KVRestore)
 }
 
 

@@ -5,7 +5,10 @@ Every request is a map with ``v`` (protocol version), ``op`` and an ``id`` the r
 echoes. Replies carry ``ok``; failures carry ``error: {type, message, ...details}`` where
 ``type`` is a :class:`gpu_pool.errors.PoolError` code. A reply with ``fds: N`` is followed on
 the stream by one marker byte carrying N descriptors (``SCM_RIGHTS``, :mod:`gpu_pool.wire.fdpass`).
-Requests are validated into typed messages by :mod:`gpu_pool.wire.messages`. An ``acquire``
+Requests are validated into typed messages by :mod:`gpu_pool.wire.messages`. ``kv_publish`` and
+``kv_restore`` (prefix KV shared across instances, :mod:`gpu_pool.server.prefix_kv`) are ops of
+version 1 too: a daemon from before them answers ``unknown_op``, which clients treat as "no
+sharing". An ``acquire``
 reply carries ``placements`` (tensor name -> arena offset) and ``report``, an
 :class:`gpu_pool.acquire_report.AcquireReport` in its own versioned encoding. Never pickle.
 """

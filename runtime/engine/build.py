@@ -32,10 +32,16 @@ class PoolKV:
 
     client: Any
     block_bytes: int
+    # The registered model's id: full prompt blocks are then published to the pool and restored
+    # from it across instances (None: cached within this instance only).
+    prefix_model: str | None = None
+    recompute_s: float = 0.0  # seconds one block's prefill takes: its eviction price in the pool
 
     def __post_init__(self) -> None:
         if self.block_bytes < 1:
             raise ValueError(f"block_bytes must be >= 1, got {self.block_bytes}")
+        if not self.recompute_s >= 0:
+            raise ValueError(f"recompute_s must be >= 0, got {self.recompute_s}")
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,10 @@ def build_engine(
         blocks = arena_kv_view(
             kv.client.kv_arena(), model.config, config.block_size, kv_dtype, kv.block_bytes
         )
-        return Engine(
-            model, tokenizer, blocks, PoolBlockSource(kv.client, kv.block_bytes), set(eos_ids), config
-        )
-    tensor, source = private_kv(model.config, config.block_size, kv_dtype, kv.num_blocks)
-    return Engine(model, tokenizer, tensor, source, set(eos_ids), config)
+        # KV bytes depend on the model, the dtype and the block geometry: all of it keys a block.
+        layout = f"{str(kv_dtype).removeprefix('torch.')}-bs{config.block_size}-{kv.block_bytes}"
+        source = PoolBlockSource(kv.client, kv.block_bytes, kv.prefix_model, layout, kv.recompute_s)
+        key = f"{kv.prefix_model or ''}:{layout}"
+        return Engine(model, tokenizer, blocks, source, set(eos_ids), config, model_key=key)
+    tensor, private = private_kv(model.config, config.block_size, kv_dtype, kv.num_blocks)
+    return Engine(model, tokenizer, tensor, private, set(eos_ids), config)

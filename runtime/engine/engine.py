@@ -26,6 +26,7 @@ class EngineConfig:
     block_size: int = 16
     refill_blocks: int = 8  # blocks fetched from the pool per refill of the local free list
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefix_caching: bool = True  # reuse full KV blocks of a shared prompt prefix (block_manager)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.refill_blocks < 1:
@@ -42,6 +43,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     error: str | None = None
     error_code: str | None = None  # "kv_cache_exhausted" or "engine_error" with FinishReason.ERROR
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (usage.prompt_tokens_details)
 
 
 @dataclass(slots=True)
@@ -60,14 +62,23 @@ class Engine:
         source: BaseBlockSource,
         eos_ids: set[int],
         config: EngineConfig | None = None,
+        model_key: str = "",
     ) -> None:
+        """``model_key`` names the model and its KV layout: it seeds the prefix-cache block
+        hashes, so KV is only ever reused by the model (and layout) that computed it."""
         import torch
 
         assert isinstance(kv_blocks, torch.Tensor)
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.blocks = BlockManager(source, self.config.block_size, self.config.refill_blocks)
+        self.blocks = BlockManager(
+            source,
+            self.config.block_size,
+            self.config.refill_blocks,
+            model_key=model_key,
+            prefix_caching=self.config.prefix_caching,
+        )
         self.scheduler = Scheduler(self.config.scheduler, self.blocks)
         self.runner = ModelRunner(model, kv_blocks, self.config.block_size)
         self.max_context = model.config.max_position_embeddings
@@ -98,6 +109,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """One iteration: a prefill or a decode of the running batch."""
+        # Blocks the previous step filled go to the pool now, after its tokens went out.
+        self._publish()
         try:
             seqs, _ = self.scheduler.schedule()
         except KVCacheExhausted as exc:
@@ -117,6 +130,7 @@ class Engine:
         outputs = []
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
+            self.blocks.commit(seq)  # before the new token: only what this pass wrote is cached
             seq.output_ids.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
@@ -125,7 +139,7 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.runner.forget(seq)
-            outputs.append(StepOutput(seq.seq_id, token, delta, reason))
+            outputs.append(StepOutput(seq.seq_id, token, delta, reason, cached_tokens=seq.cached_tokens or 0))
             self._deliver(outputs[-1])
         return outputs
 
@@ -147,7 +161,15 @@ class Engine:
         ids = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished():
             self.step()
+        self._publish()
         return [self.seqs[i] for i in ids]
+
+    def _publish(self) -> None:
+        """Offer newly computed prompt blocks to the pool; a failure costs only the sharing."""
+        try:
+            self.blocks.flush_publish()
+        except Exception:
+            log.exception("publishing prefix KV blocks failed")
 
     def abort(self, seq_id: int) -> None:
         """Stop a request (its client went away): its blocks and batch slot are freed now."""
@@ -210,6 +232,7 @@ class Engine:
                             self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
                 await asyncio.sleep(0)
             else:
+                self._publish()
                 self._work.clear()
                 await self._work.wait()
 
@@ -222,6 +245,7 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
+        self._publish()
         self.blocks.trim(0)
 
     def _advance_text(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:

@@ -6,6 +6,7 @@ physical block number, and a :class:`BaseBlockSource` that hands out those numbe
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,14 +14,61 @@ import torch
 from runtime.engine.block_manager import BaseBlockSource, RangeBlockSource
 from runtime.models.llama import LlamaConfig
 
+log = logging.getLogger("ember.engine")
+
 
 class PoolBlockSource(BaseBlockSource):
-    """KV blocks from the device's pool, block-aligned, so ``offset // block_bytes`` numbers them."""
+    """KV blocks from the device's pool, block-aligned, so ``offset // block_bytes`` numbers them.
 
-    def __init__(self, client: Any, block_bytes: int) -> None:
+    With a ``prefix_model`` (the registered model's id) and ``layout``, full prompt blocks are
+    shared through the pool (``kv_publish`` / ``kv_restore``): they outlive this instance, and a
+    later one of the same model restores them instead of recomputing them. ``recompute_s`` is
+    what one block's prefill costs, the eviction price the pool weighs them at. A pool that fails
+    such a call costs only the sharing: the engine computes the blocks itself."""
+
+    def __init__(
+        self,
+        client: Any,
+        block_bytes: int,
+        prefix_model: str | None = None,
+        layout: str = "",
+        recompute_s: float = 0.0,
+    ) -> None:
         self.client = client
         self.block_bytes = block_bytes
         self._pool_ids: dict[int, int] = {}  # physical block number -> pool block id
+        self.prefix_model = prefix_model
+        self.layout = layout
+        self.recompute_s = recompute_s
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.prefix_model is not None
+
+    def restore(self, hashes: list[bytes], block_ids: list[int]) -> int:
+        assert self.prefix_model is not None
+        ids = [self._pool_ids[b] for b in block_ids]
+        return self._prefix_call(lambda: self.client.kv_restore(self.prefix_model, self.layout, hashes, ids))
+
+    def publish(self, hashes: list[bytes], block_ids: list[int]) -> None:
+        assert self.prefix_model is not None
+        ids = [self._pool_ids[b] for b in block_ids]
+        self._prefix_call(
+            lambda: self.client.kv_publish(self.prefix_model, self.layout, hashes, ids, self.recompute_s)
+        )
+
+    def _prefix_call(self, call: Any) -> int:
+        from gpu_pool.client import RemotePoolError
+        from gpu_pool.errors import UnknownOp
+
+        try:
+            return int(call())
+        except RemotePoolError as exc:
+            if exc.kind is UnknownOp:  # a pool from before prefix sharing: stop asking it
+                self.prefix_model = None
+            else:
+                log.warning("prefix KV sharing with the pool failed: %s", exc)
+            return 0
 
     def acquire(self, num_blocks: int) -> list[int] | None:
         from gpu_pool.client import RemotePoolError

@@ -32,6 +32,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # physical block numbers
     num_cached: int = 0  # tokens whose K/V are in the blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids, in order
+    num_registered: int = 0  # leading blocks of block_table already offered to the prefix cache
+    cached_tokens: int | None = None  # prompt tokens reused at first admission (OpenAI usage)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -39,6 +40,7 @@ def test_openai_client_scale_to_zero_and_cold_start_from_resident_tensors(
     answer = plain.choices[0].message.content or ""
     assert "Paris" in answer
     assert plain.usage is not None and plain.usage.completion_tokens >= 1
+    assert _cached(plain.usage) == 0  # the first request of this prompt anywhere
     stream = client.chat.completions.create(
         model="smollm2-chat", messages=QUESTION, temperature=0, max_tokens=16, stream=True
     )
@@ -46,6 +48,9 @@ def test_openai_client_scale_to_zero_and_cold_start_from_resident_tensors(
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == answer  # greedy: the same text either way
     assert chunks[-1].usage is not None and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # The same prompt again: its full KV blocks come from the instance's prefix cache.
+    cached = _cached(chunks[-1].usage)
+    assert 0 < cached < plain.usage.prompt_tokens
     cluster = http.get("/v1/cluster").json()
     model = cluster["functions"]["smollm2-chat"]["model"]
     loaded_before = metric(http, "ember_cold_start_bytes_loaded_total", "smollm2-chat")
@@ -59,6 +64,8 @@ def test_openai_client_scale_to_zero_and_cold_start_from_resident_tensors(
         model="smollm2-chat", messages=QUESTION, temperature=0, max_tokens=16
     )
     assert again.choices[0].message.content == answer
+    # A new instance: the prefix KV the first one published stayed in the pool after it ended.
+    assert _cached(again.usage) == cached
     (instance,) = instances(http, "smollm2-chat")
     assert int(instance["bytes_loaded"]) == 0 and int(instance["bytes_reused"]) == model["weight_bytes"]
     assert metric(http, "ember_cold_start_bytes_loaded_total", "smollm2-chat") == loaded_before
@@ -67,6 +74,12 @@ def test_openai_client_scale_to_zero_and_cold_start_from_resident_tensors(
         == reused_before + model["weight_bytes"]
     )
     assert metric(http, "ember_cold_starts_total", "smollm2-chat") == 2
+
+
+def _cached(usage: Any) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` as the official client parsed it."""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return int(usage.prompt_tokens_details.cached_tokens)
 
 
 def _resident(http: httpx.Client, model_id: str) -> int:

@@ -40,7 +40,14 @@ def pool(tiny: RegisteredModel, tmp_path: Path) -> Iterator[PoolProcess]:
         p.stop()
 
 
-def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_seqs: int = 32) -> Engine:
+def make_engine(
+    tiny: RegisteredModel,
+    client: PoolClient,
+    refill: int = 8,
+    max_seqs: int = 32,
+    prefix_caching: bool = True,
+    prefix_model: str | None = None,
+) -> Engine:
     config = LlamaConfig.from_hf(tiny.config)
     model = LlamaModel(config, client.acquire(tiny.manifest()))
     block_bytes = kv_block_bytes(config, BLOCK, torch.float32)
@@ -49,9 +56,9 @@ def make_engine(tiny: RegisteredModel, client: PoolClient, refill: int = 8, max_
         model,
         tok,
         {2},
-        PoolKV(client, block_bytes),
+        PoolKV(client, block_bytes, prefix_model),
         torch.float32,
-        EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs)),
+        EngineConfig(BLOCK, refill, SchedulerConfig(max_num_seqs=max_seqs), prefix_caching),
     )
 
 
@@ -96,7 +103,9 @@ def test_kv_bytes_follow_live_tokens_and_all_return(tiny: RegisteredModel, pool:
             held_by_seqs = sum(len(s.block_table) for s in live)
             assert held_by_seqs == needed
             assert (
-                client.stats()["kv_bytes"] == (engine.blocks.num_held + len(engine.blocks.free)) * block_bytes
+                client.stats()["kv_bytes"]
+                == (engine.blocks.num_held + len(engine.blocks.free) + len(engine.blocks.evictable))
+                * block_bytes
             )
         assert steps > 5
         engine.close()
@@ -372,3 +381,73 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
     message, healthy = asyncio.run(run())
     assert "the engine failed" in message and len(healthy) == 4
     assert not engine.scheduler.has_work() and engine.blocks.num_held == 0  # all blocks came back
+
+
+def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    system = list(range(40, 40 + 5 * BLOCK + 2))  # 22 tokens: 5 full blocks
+    ps = [*([*system, 7 + i, 9] for i in range(4)), system]
+    with PoolClient(pool.socket_path) as client:
+        plain = make_engine(tiny, client, prefix_caching=False)
+        expected = [plain.generate([p], GREEDY)[0].output_ids for p in ps]
+        plain.close()
+        engine = make_engine(tiny, client)
+        first = engine.generate([ps[0]], GREEDY)[0]
+        assert first.cached_tokens == 0 and first.output_ids == expected[0]
+        rest = engine.generate(ps[1:], GREEDY)  # admitted together: all hit the first's blocks
+        assert [s.output_ids for s in rest] == expected[1:]
+        assert [s.cached_tokens for s in rest] == [5 * BLOCK] * 4
+        assert engine.blocks.stats.hit_tokens == 4 * 5 * BLOCK
+        engine.close()
+        assert client.stats()["kv_bytes"] == 0
+
+
+def test_streamed_outputs_report_cached_tokens(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    import asyncio
+
+    prompt = list(range(60, 60 + 3 * BLOCK + 1))
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+
+        async def main() -> tuple[list[int], list[int]]:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                cold = [o.cached_tokens async for o in engine.stream(prompt, GREEDY)]
+                warm = [o.cached_tokens async for o in engine.stream(prompt, GREEDY)]
+                return cold, warm
+            finally:
+                driver.cancel()
+
+        cold, warm = asyncio.run(main())
+        assert set(cold) == {0} and set(warm) == {3 * BLOCK}
+        engine.close()
+
+
+def test_a_later_instance_restores_the_prefix_a_finished_one_published(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    system = list(range(80, 80 + 6 * BLOCK + 1))
+    first_prompt, later_prompt = [*system, 5, 6], [*system, 9]  # 6 full blocks in common
+    with PoolClient(pool.socket_path) as client:
+        plain = make_engine(tiny, client, prefix_caching=False)
+        expected = [plain.generate([p], GREEDY)[0].output_ids for p in (first_prompt, later_prompt)]
+        plain.close()
+    with PoolClient(pool.socket_path) as client:  # an instance that ends after one request
+        first = make_engine(tiny, client, prefix_model=tiny.model_id)
+        done = first.generate([first_prompt], GREEDY)[0]
+        assert done.cached_tokens == 0 and done.output_ids == expected[0]
+        assert client.stats()["prefix_blocks"] == 6  # its full prompt blocks, published once
+        first.generate([first_prompt], GREEDY)  # a local hit: nothing published again
+        assert client.stats()["prefix_blocks_published"] == 6
+    with PoolClient(pool.socket_path) as client:  # a new instance of the same model
+        later = make_engine(tiny, client, prefix_model=tiny.model_id)
+        done = later.generate([later_prompt], GREEDY)[0]
+        assert done.cached_tokens == 6 * BLOCK and later.blocks.stats.restored_tokens == 6 * BLOCK
+        assert done.output_ids == expected[1]  # the same tokens as computing the prefix
+        again = later.generate([later_prompt], GREEDY)[0]  # now a local hit, no pool call
+        assert again.cached_tokens == 6 * BLOCK and later.blocks.stats.restored_tokens == 6 * BLOCK
+        later.close()
+    with PoolClient(pool.socket_path) as client:  # prefix sharing off: nothing restored
+        alone = make_engine(tiny, client)
+        assert alone.generate([later_prompt], GREEDY)[0].cached_tokens == 0

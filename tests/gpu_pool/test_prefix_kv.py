@@ -1,0 +1,172 @@
+"""Prefix KV published into the pool and restored by later sessions: a real daemon and sockets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpu_pool.client import PoolClient, RemotePoolError
+from gpu_pool.config import PoolConfig
+from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument
+from gpu_pool.manifest import Manifest
+from tests.conftest import PoolProcess, random_tensors, write_entry
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 8192
+LAYOUT = "bf16-bs16"
+
+
+@pytest.fixture
+def manifest(store_root: Path) -> Manifest:
+    return write_entry(store_root, "m", random_tensors(1, [1000, 50_000]))
+
+
+def fill(client: PoolClient, n: int, seed: int) -> tuple[list[int], list[bytes]]:
+    """``n`` KV blocks of this session, each filled with its own byte; their ids and contents."""
+    kv = client.kv_alloc(n, BLOCK, aligned=True)
+    mem = client.kv_arena()
+    contents = []
+    for i, off in enumerate(kv.offsets):
+        mem[off : off + BLOCK] = (seed + i) % 251 + 1
+        contents.append(bytes(mem[off : off + BLOCK].numpy()))
+    return list(kv.block_ids), contents
+
+
+def read_blocks(client: PoolClient, block_ids: list[int], offsets: dict[int, int]) -> list[bytes]:
+    mem = client.kv_arena()
+    return [bytes(mem[offsets[b] : offsets[b] + BLOCK].numpy()) for b in block_ids]
+
+
+def test_published_blocks_outlive_their_session_and_restore_the_longest_run(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    hashes = [os.urandom(16) for _ in range(4)]
+    with PoolClient(pool_process.socket_path) as a:
+        a.acquire(manifest)
+        ids, contents = fill(a, 4, seed=10)
+        assert a.kv_publish("m", LAYOUT, hashes, ids, recompute_s=0.01) == 4
+        assert a.kv_publish("m", LAYOUT, hashes, ids) == 0  # already there: only touched
+        stats = a.stats()
+        assert stats["prefix_blocks"] == 4 and stats["prefix_bytes"] == 4 * BLOCK
+    with PoolClient(pool_process.socket_path) as b:  # a later instance of the same model
+        b.acquire(manifest)
+        kv = b.kv_alloc(4, BLOCK, aligned=True)
+        offsets = dict(zip(kv.block_ids, kv.offsets, strict=True))
+        probe = [hashes[0], hashes[1], os.urandom(16), hashes[3]]
+        assert b.kv_restore("m", LAYOUT, probe, list(kv.block_ids)) == 2
+        got = read_blocks(b, list(kv.block_ids), offsets)
+        assert got[:2] == contents[:2] and got[2] == bytes(BLOCK)
+        assert b.kv_restore("m", "other-layout", hashes, list(kv.block_ids)) == 0
+        assert b.stats()["prefix_blocks_restored"] == 2
+
+
+def test_blocks_and_models_a_session_does_not_own_are_forbidden(
+    pool_process: PoolProcess, manifest: Manifest, store_root: Path
+) -> None:
+    other = write_entry(store_root, "n", random_tensors(2, [3000]))
+    h = [os.urandom(16)]
+    with PoolClient(pool_process.socket_path) as a, PoolClient(pool_process.socket_path) as b:
+        a.acquire(manifest)
+        b.acquire(manifest)
+        theirs, _ = fill(b, 1, seed=1)
+        mine, _ = fill(a, 1, seed=2)
+        calls = [
+            lambda: a.kv_publish("m", LAYOUT, h, theirs),
+            lambda: a.kv_restore("m", LAYOUT, h, theirs),
+            lambda: a.kv_publish("n", LAYOUT, h, mine),  # a model it never acquired
+            lambda: a.kv_restore("n", LAYOUT, h, mine),
+        ]
+        for call in calls:
+            with pytest.raises(RemotePoolError) as info:
+                call()
+            assert info.value.kind is Forbidden
+        b.acquire(other)
+        for bad in (
+            lambda: a.kv_publish("m", LAYOUT, [b"short"], mine),
+            lambda: a.kv_publish("m", LAYOUT, h * 2, mine),
+            lambda: a.kv_publish("m", LAYOUT, h, mine, recompute_s=float("nan")),
+            lambda: a.kv_restore("m", "a/b", h, mine),
+        ):
+            with pytest.raises(RemotePoolError) as info:
+                bad()
+            assert info.value.kind is InvalidArgument
+        assert a.stats()["prefix_blocks"] == 0
+
+
+def test_prefix_bytes_are_bounded_and_least_recently_used_go_first(
+    tmp_path: Path, store_root: Path, manifest: Manifest
+) -> None:
+    pool = PoolProcess(tmp_path / "p.sock", "16MiB", "--prefix-bytes", str(3 * BLOCK), store=(store_root,))
+    try:
+        first = [os.urandom(16) for _ in range(2)]
+        second = [os.urandom(16) for _ in range(2)]
+        with PoolClient(pool.socket_path) as c:
+            c.acquire(manifest)
+            ids, _ = fill(c, 4, seed=3)
+            assert c.kv_publish("m", LAYOUT, first + second, ids) == 3  # the bound: a run's start
+            assert c.stats()["prefix_bytes"] == 3 * BLOCK
+            assert c.kv_publish("m", LAYOUT, second[1:], ids[3:]) == 1  # evicts first[0], the oldest
+            assert c.kv_restore("m", LAYOUT, first, ids[:2]) == 0
+            assert c.kv_restore("m", LAYOUT, first[1:] + second, ids[:3]) == 3
+            assert c.stats()["prefix_blocks_evicted"] == 1
+    finally:
+        pool.stop()
+
+
+def test_prefix_blocks_are_evictable_like_inactive_tensors(tmp_path: Path, store_root: Path) -> None:
+    small = write_entry(store_root, "m", random_tensors(1, [4096]))
+    big = write_entry(store_root, "big", random_tensors(3, [(8 << 20) - 16384]))
+    pool = PoolProcess(tmp_path / "e.sock", "8MiB", store=(store_root,))
+    try:
+        hashes = [os.urandom(16) for _ in range(8)]
+        with PoolClient(pool.socket_path) as c:
+            c.acquire(small)
+            ids, _ = fill(c, 8, seed=4)
+            assert c.kv_publish("m", LAYOUT, hashes, ids) == 8
+        with PoolClient(pool.socket_path) as c:  # no session holds the prefix: nothing pins it
+            c.acquire(big)  # needs some of the room the published blocks took
+            stats = c.stats()
+            assert stats["prefix_blocks"] < 8 and stats["models"]["big"]["resident_bytes"] == big.nbytes
+            # MCE prices a prefix byte below a weight byte of its model: the weights stayed.
+            assert stats["models"]["m"]["resident_bytes"] == small.nbytes
+        with PoolClient(pool.socket_path, admin_token=pool.admin_token) as admin:
+            admin.evict()
+            assert admin.stats()["prefix_blocks"] == 0
+    finally:
+        pool.stop()
+
+
+def test_scoped_tickets_keep_prefixes_within_their_scope(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    hashes = [os.urandom(16) for _ in range(2)]
+    with PoolClient(pool_process.socket_path, admin_token=pool_process.admin_token) as admin:
+        scopes = {"f1": "f1", "f1-again": "f1", "f2": "f2"}
+        tickets = {name: admin.grant(1 << 20, prefix_scope=scope) for name, scope in scopes.items()}
+    with PoolClient(pool_process.socket_path, ticket=tickets["f1"]) as a:
+        a.acquire(manifest)
+        ids, _ = fill(a, 2, seed=5)
+        assert a.kv_publish("m", LAYOUT, hashes, ids) == 2
+    for name, expected in (("f2", 0), ("f1-again", 2)):
+        with PoolClient(pool_process.socket_path, ticket=tickets[name]) as c:
+            c.acquire(manifest)
+            ids, _ = fill(c, 2, seed=6)
+            assert c.kv_restore("m", LAYOUT, hashes, ids) == expected, name
+    with PoolClient(pool_process.socket_path) as unscoped:
+        unscoped.acquire(manifest)
+        ids, _ = fill(unscoped, 2, seed=7)
+        assert unscoped.kv_restore("m", LAYOUT, hashes, ids) == 0
+
+
+def test_prefix_bytes_config_fails_loudly() -> None:
+    base = {"EMBER_POOL_DEVICE": "cpu", "EMBER_POOL_ARENA": "64MiB", "EMBER_POOL_SOCKET": "/tmp/x.sock"}
+    assert PoolConfig.from_env(base).prefix_bytes is None  # a quarter of the arena
+    assert PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "8MiB"}).prefix_bytes == 8 << 20
+    assert PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "0"}).prefix_bytes == 0
+    with pytest.raises(ConfigError, match="EMBER_POOL_PREFIX_BYTES"):
+        PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="prefix_bytes"):
+        PoolConfig(device="cpu", arena_bytes=1 << 20, socket_path="/tmp/x.sock", prefix_bytes=-1)
