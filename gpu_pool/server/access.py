@@ -68,6 +68,15 @@ class AccessControl:
             if not session.admin:
                 session.kv_quota = quota
 
+    def require_prefix_scope(self, session: Session, op: str) -> None:
+        """Raise :class:`Forbidden` when a session of a managed pool (one with an admin token: an
+        agent or node daemon hands out tickets) has no ticket naming a prefix scope: published
+        prefix KV is shared within one function only, or a worker running one function's code
+        could plant KV that another function's prompts would restore. A pool run by hand without
+        an admin token is single-tenant: its sessions share the pool-wide scope."""
+        if self._admin_token is not None and not session.prefix_scope:
+            raise Forbidden(f"{op}: prefix KV is shared within one function: this session's ticket names none")
+
     def require_admin(self, session: Session, op: str) -> None:
         """Raise :class:`Forbidden` unless the session presented the admin token."""
         if not session.admin:

@@ -339,6 +339,7 @@ class PoolDaemon:
     # ----- prefix KV shared across instances (gpu_pool.server.prefix_kv) ------------------------------
 
     async def _on_kv_publish(self, session: Session, request: messages.KVPublish) -> Reply:
+        self._access.require_prefix_scope(session, "kv_publish")
         async with self._lock:  # held over the copies: nothing may move or evict those regions
             state = self.store.sessions[session.session_id]
             copies, touched = self.store.prefix.publish(
@@ -353,6 +354,7 @@ class PoolDaemon:
         return {"published": len(copies), "touched": touched}, []
 
     async def _on_kv_restore(self, session: Session, request: messages.KVRestore) -> Reply:
+        self._access.require_prefix_scope(session, "kv_restore")
         async with self._lock:
             state = self.store.sessions[session.session_id]
             copies = self.store.prefix.restore(

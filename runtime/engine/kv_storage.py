@@ -59,12 +59,15 @@ class PoolBlockSource(BaseBlockSource):
 
     def _prefix_call(self, call: Any) -> int:
         from gpu_pool.client import RemotePoolError
-        from gpu_pool.errors import UnknownOp
+        from gpu_pool.errors import Forbidden, UnknownOp
 
         try:
             return int(call())
         except RemotePoolError as exc:
-            if exc.kind is UnknownOp:  # a pool from before prefix sharing: stop asking it
+            # A pool from before prefix sharing, or a session without a function's scope (a
+            # cluster pod's): stop asking it.
+            if exc.kind is UnknownOp or exc.kind is Forbidden:
+                log.info("no prefix KV sharing with this pool: %s", exc)
                 self.prefix_model = None
             else:
                 log.warning("prefix KV sharing with the pool failed: %s", exc)

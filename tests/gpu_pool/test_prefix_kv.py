@@ -35,6 +35,13 @@ def fill(client: PoolClient, n: int, seed: int) -> tuple[list[int], list[bytes]]
     return list(kv.block_ids), contents
 
 
+def scoped(pool: PoolProcess, scope: str = "f") -> PoolClient:
+    """A session whose ticket names ``scope`` (a managed pool shares prefix KV within one only)."""
+    with PoolClient(pool.socket_path, admin_token=pool.admin_token) as admin:
+        ticket = admin.grant(64 << 20, prefix_scope=scope)
+    return PoolClient(pool.socket_path, ticket=ticket)
+
+
 def read_blocks(client: PoolClient, block_ids: list[int], offsets: dict[int, int]) -> list[bytes]:
     mem = client.kv_arena()
     return [bytes(mem[offsets[b] : offsets[b] + BLOCK].numpy()) for b in block_ids]
@@ -44,14 +51,14 @@ def test_published_blocks_outlive_their_session_and_restore_the_longest_run(
     pool_process: PoolProcess, manifest: Manifest
 ) -> None:
     hashes = [os.urandom(16) for _ in range(4)]
-    with PoolClient(pool_process.socket_path) as a:
+    with scoped(pool_process) as a:
         a.acquire(manifest)
         ids, contents = fill(a, 4, seed=10)
         assert a.kv_publish("m", LAYOUT, hashes, ids, recompute_s=0.01) == 4
         assert a.kv_publish("m", LAYOUT, hashes, ids) == 0  # already there: only touched
         stats = a.stats()
         assert stats["prefix_blocks"] == 4 and stats["prefix_bytes"] == 4 * BLOCK
-    with PoolClient(pool_process.socket_path) as b:  # a later instance of the same model
+    with scoped(pool_process) as b:  # a later instance of the same model
         b.acquire(manifest)
         kv = b.kv_alloc(4, BLOCK, aligned=True)
         offsets = dict(zip(kv.block_ids, kv.offsets, strict=True))
@@ -68,7 +75,7 @@ def test_blocks_and_models_a_session_does_not_own_are_forbidden(
 ) -> None:
     other = write_entry(store_root, "n", random_tensors(2, [3000]))
     h = [os.urandom(16)]
-    with PoolClient(pool_process.socket_path) as a, PoolClient(pool_process.socket_path) as b:
+    with scoped(pool_process) as a, scoped(pool_process) as b:
         a.acquire(manifest)
         b.acquire(manifest)
         theirs, _ = fill(b, 1, seed=1)
@@ -103,7 +110,7 @@ def test_prefix_bytes_are_bounded_and_least_recently_used_go_first(
     try:
         first = [os.urandom(16) for _ in range(2)]
         second = [os.urandom(16) for _ in range(2)]
-        with PoolClient(pool.socket_path) as c:
+        with scoped(pool) as c:
             c.acquire(manifest)
             ids, _ = fill(c, 4, seed=3)
             assert c.kv_publish("m", LAYOUT, first + second, ids) == 3  # the bound: a run's start
@@ -122,7 +129,7 @@ def test_prefix_blocks_are_evictable_like_inactive_tensors(tmp_path: Path, store
     pool = PoolProcess(tmp_path / "e.sock", "8MiB", store=(store_root,))
     try:
         hashes = [os.urandom(16) for _ in range(8)]
-        with PoolClient(pool.socket_path) as c:
+        with scoped(pool) as c:
             c.acquire(small)
             ids, _ = fill(c, 8, seed=4)
             assert c.kv_publish("m", LAYOUT, hashes, ids) == 8
@@ -155,10 +162,16 @@ def test_scoped_tickets_keep_prefixes_within_their_scope(
             c.acquire(manifest)
             ids, _ = fill(c, 2, seed=6)
             assert c.kv_restore("m", LAYOUT, hashes, ids) == expected, name
-    with PoolClient(pool_process.socket_path) as unscoped:
+    with PoolClient(pool_process.socket_path) as unscoped:  # no ticket: no function's scope
         unscoped.acquire(manifest)
         ids, _ = fill(unscoped, 2, seed=7)
-        assert unscoped.kv_restore("m", LAYOUT, hashes, ids) == 0
+        for call in (
+            lambda: unscoped.kv_restore("m", LAYOUT, hashes, ids),
+            lambda: unscoped.kv_publish("m", LAYOUT, hashes, ids),  # could poison f1's prompts
+        ):
+            with pytest.raises(RemotePoolError) as info:
+                call()
+            assert info.value.kind is Forbidden
 
 
 def test_prefix_bytes_config_fails_loudly() -> None:

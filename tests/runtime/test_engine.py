@@ -433,14 +433,16 @@ def test_a_later_instance_restores_the_prefix_a_finished_one_published(
         plain = make_engine(tiny, client, prefix_caching=False)
         expected = [plain.generate([p], GREEDY)[0].output_ids for p in (first_prompt, later_prompt)]
         plain.close()
-    with PoolClient(pool.socket_path) as client:  # an instance that ends after one request
+    with PoolClient(pool.socket_path, admin_token=pool.admin_token) as admin:  # the agent's tickets
+        tickets = [admin.grant(64 << 20, prefix_scope="default/chat") for _ in range(2)]
+    with PoolClient(pool.socket_path, ticket=tickets[0]) as client:  # an instance that ends after one request
         first = make_engine(tiny, client, prefix_model=tiny.model_id)
         done = first.generate([first_prompt], GREEDY)[0]
         assert done.cached_tokens == 0 and done.output_ids == expected[0]
         assert client.stats()["prefix_blocks"] == 6  # its full prompt blocks, published once
         first.generate([first_prompt], GREEDY)  # a local hit: nothing published again
         assert client.stats()["prefix_blocks_published"] == 6
-    with PoolClient(pool.socket_path) as client:  # a new instance of the same model
+    with PoolClient(pool.socket_path, ticket=tickets[1]) as client:  # a new instance of the same function
         later = make_engine(tiny, client, prefix_model=tiny.model_id)
         done = later.generate([later_prompt], GREEDY)[0]
         assert done.cached_tokens == 6 * BLOCK and later.blocks.stats.restored_tokens == 6 * BLOCK
