@@ -112,9 +112,10 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
     """The (out, in) weight in ``dtype``: computed in float32 (exact products), then rounded."""
     out, cols = w.out_features, w.in_features
     codes = w.q if w.method == "int8" else unpack_nibbles(w.q)
-    g = codes.reshape(out, cols // GROUP, GROUP).float() * w.scales.float()[..., None]
+    g = codes.reshape(out, cols // GROUP, GROUP).to(torch.float32)
+    g.mul_(w.scales.to(torch.float32)[..., None])  # in place: one float32 temporary, not three
     if w.mins is not None:
-        g = g + w.mins.float()[..., None]
+        g.add_(w.mins.to(torch.float32)[..., None])
     return g.reshape(out, cols).to(dtype)
 
 
