@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from runtime import quant
+from runtime.errors import RegistrationError
 from runtime.gguf_import import GGMLBlocks
+from runtime.models.quant_weight import MINS, SCALES
 
 _GGML_NAMES = {quant.GGML_Q8_0: "Q8_0", quant.GGML_Q4_1: "Q4_1"}
 
@@ -42,6 +44,10 @@ class StoreWeights:
 
     def add(self, name: str, value: torch.Tensor | GGMLBlocks) -> None:
         """Convert one source tensor (float, or GGML blocks :meth:`carry` asked for) and keep it."""
+        if name.endswith((SCALES, MINS)):
+            # A pre-quantized checkpoint (GPTQ and the like name planes so): its codes would be
+            # cast as if they were weights. Say so instead of registering a broken model.
+            raise RegistrationError(f"tensor {name!r}: quantized source checkpoints are not supported")
         if isinstance(value, GGMLBlocks):
             assert self.method is not None and self.carry(name, value.qtype)
             self._put(name, quant.from_ggml(value.rows, value.qtype, self.method))

@@ -18,6 +18,7 @@ from runtime.engine.build import PoolKV, build_engine
 from runtime.engine.engine import EngineConfig
 from runtime.engine.kv_storage import kv_block_bytes
 from runtime.engine.sampling import SamplingParams
+from runtime.errors import RegistrationError
 from runtime.models.llama import Batch, LlamaConfig, LlamaModel
 from runtime.models.quant_weight import QuantWeight, bind_weight
 from runtime.quant import (
@@ -145,6 +146,8 @@ def test_only_aligned_projections_are_quantized() -> None:
     assert q["quantized"] == {"model.layers.0.mlp.up_proj.weight": "quantized"}
     assert "not a multiple of 32" in q["kept_bfloat16"]["model.layers.0.mlp.down_proj.weight"]
     assert StoreWeights("float32").metadata() == {"quantization": None}
+    with pytest.raises(RegistrationError, match="quantized source"):
+        StoreWeights("bfloat16").add("model.layers.0.mlp.up_proj.weight.scales", torch.randn(40, 2))
 
 
 @pytest.fixture(scope="module")

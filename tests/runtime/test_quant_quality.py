@@ -5,9 +5,11 @@ The text (tests/runtime/data/alice_chapter1.txt, 2,701 tokens) is Chapter I of L
 with ASCII punctuation. Scored as ``llama-perplexity -c 256`` scores (runtime.perplexity), on the
 first CHUNKS windows, which keeps the test well under two minutes on two cores.
 
-The source GGUF is Q4_1, so ``q4`` carries its blocks over and must match bf16 (the same
-weights, dequantized per forward instead of at registration) to rounding; ``int8`` requantizes
-those weights, and ``q4`` requantized from the bf16 weights exercises the 4-bit quantizer.
+The source GGUF is Q4_1, so ``q4`` carries its blocks over and matches bf16 (the same weights,
+dequantized per forward instead of at registration) to rounding, and quantizing the bf16
+weights again gives those very blocks (every group of a Q4_1 tensor spans codes 0..15): the
+bf16 reference is of Q4_1 quality already. ``int8`` requantizes the weights onto its own grid.
+How q4 fares on weights off the Q4_1 grid is measured by ``bench/quant.py`` (``q4_off_grid``).
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
+import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from gpu_pool import store
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.perplexity import Perplexity, perplexity
 from runtime.registry import RegisteredModel, register
-from runtime.sources import SourceRoots
+from runtime.store_weights import StoreWeights
 
 pytestmark = pytest.mark.slow
 
@@ -31,28 +34,27 @@ TEXT = Path(__file__).parent / "data" / "alice_chapter1.txt"
 WINDOW, CHUNKS = 256, 3
 
 
-def measure(model: RegisteredModel) -> Perplexity:
-    """Perplexity over the store's bytes (mmapped, as the pool maps them) with the engine's model."""
-    ids = Tokenizer.from_file(str(model.directory / "tokenizer.json")).encode(TEXT.read_text()).ids
-    weights = load_file(str(model.store_path / store.TENSORS_FILE))
-    return perplexity(LlamaModel(LlamaConfig.from_hf(model.config), weights), ids, WINDOW, CHUNKS)
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RegisteredModel]:
+    home = tmp_path_factory.mktemp("home")
+    return {dtype: register(SMOLLM2, dtype, home=home) for dtype in ("bfloat16", "int8", "q4")}
+
+
+def stored(model: RegisteredModel) -> dict[str, torch.Tensor]:
+    """The store entry's tensors, mmapped (the bytes the pool maps)."""
+    return load_file(str(model.store_path / store.TENSORS_FILE))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Perplexity]:
-    home = tmp_path_factory.mktemp("home")
-    out = {dtype: measure(register(SMOLLM2, dtype, home=home)) for dtype in ("bfloat16", "int8", "q4")}
-    # The same weights as a bf16 safetensors source: q4 from them is quantized, not carried over.
-    bf16 = register(SMOLLM2, "bfloat16", home=home)
-    src = tmp_path_factory.mktemp("bf16-src")
-    save_file(load_file(str(bf16.store_path / store.TENSORS_FILE)), str(src / "model.safetensors"))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (src / name).write_bytes((bf16.directory / name).read_bytes())
-    requantized = register(f"safetensors:{src}", "q4", home=home, roots=SourceRoots.unrestricted())
-    quantized = store.read_metadata(requantized.store_path)["quantization"]["quantized"]
-    assert set(quantized.values()) == {"quantized"}
-    out["q4 from bf16"] = measure(requantized)
-    return out
+def results(registered: dict[str, RegisteredModel]) -> dict[str, Perplexity]:
+    config = LlamaConfig.from_hf(registered["bfloat16"].config)
+    tok = Tokenizer.from_file(str(registered["bfloat16"].directory / "tokenizer.json"))
+    ids = tok.encode(TEXT.read_text()).ids
+
+    def measure(weights: dict[str, torch.Tensor]) -> Perplexity:
+        return perplexity(LlamaModel(config, weights), ids, WINDOW, CHUNKS)
+
+    return {dtype: measure(stored(model)) for dtype, model in registered.items()}
 
 
 def test_bf16_perplexity_is_that_of_a_working_model(results: dict[str, Perplexity]) -> None:
@@ -68,4 +70,14 @@ def test_int8_is_within_2_percent_of_bf16(results: dict[str, Perplexity]) -> Non
 def test_q4_is_within_10_percent_of_bf16(results: dict[str, Perplexity]) -> None:
     assert results["q4"].value <= 1.10 * results["bfloat16"].value, results
     assert results["q4"].value == pytest.approx(results["bfloat16"].value, rel=1e-3)  # carried over
-    assert results["q4 from bf16"].value <= 1.10 * results["bfloat16"].value, results
+
+
+def test_q4_of_the_bf16_weights_is_the_gguf_q4_1_blocks(registered: dict[str, RegisteredModel]) -> None:
+    """Our 4-bit quantizer, given the bf16 weights, writes the bytes llama.cpp's Q4_1 holds."""
+    requantized = StoreWeights("q4")
+    for name, tensor in stored(registered["bfloat16"]).items():
+        requantized.add(name, tensor)
+    carried = stored(registered["q4"])
+    assert requantized.tensors.keys() == carried.keys()
+    for name, tensor in requantized.tensors.items():
+        assert torch.equal(tensor, carried[name]), name
