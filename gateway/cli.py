@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(pool)
     gen = verbs.add_parser("generate", help="complete a prompt with a model (registered on first use)")
     gen.add_argument("--model", required=True, help="gguf:/path, safetensors:/dir or pkg:PACKAGE/RESOURCE")
-    gen.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    gen.add_argument("--dtype", choices=["bfloat16", "float32", "int8", "q4"], default="bfloat16")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("-p", "--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)

@@ -70,8 +70,8 @@ def generate(
         prompt = render_chat(tok_cfg.get("chat_template"), [{"role": "user", "content": prompt}], tok_cfg)
     ids = tok.encode(prompt, add_special_tokens=False).ids
     config = LlamaConfig.from_hf(model_reg.config)
-    torch_dtype = getattr(torch, dtype)
     profile = model_reg.profile("cpu")  # materialized at registration: no profiling here
+    torch_dtype = getattr(torch, profile["kv_dtype"])  # an int8/q4 model's activations: bfloat16
     block_bytes = int(profile["kv_block_bytes"])
     assert block_bytes == kv_block_bytes(config, BLOCK, torch_dtype) and profile["block_size"] == BLOCK
     kv_blocks = -(-(len(ids) + params.max_tokens) // BLOCK) + 8

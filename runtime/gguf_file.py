@@ -2,7 +2,8 @@
 
 ``gguf.GGUFReader`` builds a numpy memmap object per metadata element, which takes ~2-4 s
 on SmolLM2's 49k-token vocabulary; this reader parses the same header with ``struct`` in
-tens of milliseconds. Dequantization stays with the ``gguf`` package.
+tens of milliseconds. Dequantization stays with the ``gguf`` package; :meth:`GGUFFile.rows`
+hands out the blocks undecoded, for quantized registrations that carry them over.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class GGUFFile:
             if isinstance(exc, RegistrationError):
                 raise
             raise RegistrationError(f"{path} is not a readable GGUF file: {exc}") from None
+
+    def rows(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes, uint8 (rows, bytes per row): its GGML blocks as they are
+        (a read-only view of the mapping)."""
+        t = self.tensors[name]
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return raw.reshape(math.prod(t.shape[:-1]), -1)
 
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32 in row-major shape (a new, writable array)."""

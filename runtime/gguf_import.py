@@ -1,6 +1,7 @@
 """GGUF → Hugging Face layout: weights, architecture config and tokenizer.
 
-Tensors are dequantized with the ``gguf`` package and renamed to Hugging Face names.
+Tensors are dequantized with the ``gguf`` package (or handed over as their GGML blocks, for a
+quantized registration that keeps them) and renamed to Hugging Face names.
 llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` of ``llama`` models (it
 interleaves the two rotary halves of each head); :func:`reverse_permute` undoes that so the
 weights match the Hugging Face layout that ``transformers`` and our model code expect.
@@ -14,7 +15,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,6 +41,13 @@ _LAYER_NAMES = [
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
 
 
+class GGMLBlocks(NamedTuple):
+    """A tensor's GGML blocks, undecoded: uint8 (rows, bytes per row), rows in Hugging Face order."""
+
+    qtype: int  # gguf.GGMLQuantizationType
+    rows: np.ndarray
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFModel:
     """What registration needs from a GGUF file."""
@@ -58,15 +66,27 @@ class GGUFModel:
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Dequantized float32 tensors in Hugging Face layout, in access order."""
+        for name, array in self.tensors_or_blocks(lambda _name, _qtype: False):
+            assert isinstance(array, np.ndarray)
+            yield name, array
+
+    def tensors_or_blocks(
+        self, carry: Callable[[str, int], bool]
+    ) -> Iterator[tuple[str, np.ndarray | GGMLBlocks]]:
+        """Like :meth:`tensors`, but a tensor for which ``carry(hf_name, ggml_type)`` holds comes
+        as its :class:`GGMLBlocks` (rows un-permuted like the weights: blocks run along rows)."""
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
         for hf_name in self.tensor_names:
-            array = self._reader.dequantize(self._gguf_names[hf_name])
+            gguf_name = self._gguf_names[hf_name]
+            qtype = self._reader.tensors[gguf_name].qtype
+            blocks = carry(hf_name, qtype)
+            array = self._reader.rows(gguf_name) if blocks else self._reader.dequantize(gguf_name)
             if self.architecture == "llama" and hf_name.endswith("q_proj.weight"):
                 array = reverse_permute(array, heads)
             elif self.architecture == "llama" and hf_name.endswith("k_proj.weight"):
                 array = reverse_permute(array, kv_heads)
-            yield hf_name, array
+            yield hf_name, (GGMLBlocks(qtype, np.array(array)) if blocks else array)  # a copy: close() unmaps
 
 
 def reverse_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

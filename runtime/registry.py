@@ -5,6 +5,11 @@
 the requested dtype + manifest with fingerprints), ``config.json``, ``tokenizer.json`` and
 ``tokenizer_config.json`` (with the chat template), and ``registration.json``.
 
+``dtype`` is ``bfloat16``, ``float32`` or a weight-only quantization, ``int8`` or ``q4``
+(:mod:`runtime.quant`): the decoder's projection weights are stored quantized (GGUF blocks that
+are already Q8_0 / Q4_1 are carried over exactly), everything else in bfloat16; the store
+entry's metadata records the quantization, tensor by tensor.
+
 * Idempotent: a model is named by its source's content hash and dtype; registering the
   same bytes again finds the existing entry.
 * Atomic: everything is built in a temporary directory beside the final one and renamed
@@ -34,7 +39,9 @@ from runtime.errors import RegistrationError
 from runtime.model_formats import ModelFormatError, check_format
 from runtime.sources import ModelSource, SourceKind, SourceRoots, resolve
 
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float32", "int8", "q4")
+QUANTIZED = ("int8", "q4")  # weight-only: runtime.quant
+_ID_SUFFIX = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8", "q4": "q4"}
 _STORE_DIR = "store"
 _RECORD = "registration.json"
 _PROFILE = "profile.json"
@@ -102,7 +109,7 @@ def register(
     src = resolve(source, roots)
     check_format(src)  # before hashing: a wrong file fails in microseconds, not after reading it all
     content_hash = src.content_hash()
-    model_id = f"{_slug(src)}-{content_hash[:12]}-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
+    model_id = f"{_slug(src)}-{content_hash[:12]}-{_ID_SUFFIX[dtype]}"
     final = root / model_id
     with _lock(root / f".lock-{model_id}"):
         if (final / _RECORD).is_file():
@@ -122,6 +129,7 @@ def register(
                 "source_path": str(src.path),
                 "content_hash": content_hash,
                 "dtype": dtype,
+                "quantization": dtype if dtype in QUANTIZED else None,
                 "architecture": config["architectures"][0],
                 "seconds": round(time.perf_counter() - start, 3),
             }
@@ -156,16 +164,18 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
     import torch
 
     from gpu_pool import store
+    from runtime.gguf_import import GGMLBlocks
+    from runtime.store_weights import StoreWeights
 
-    torch_dtype = getattr(torch, dtype)
-    tensors: dict[str, torch.Tensor] = {}
+    weights = StoreWeights(dtype)
     if src.kind is SourceKind.GGUF:
         from runtime.gguf_import import read_gguf, write_hf_metadata
 
         model = read_gguf(src.path)
         try:
-            for name, array in _progress(model.tensors(), len(model.tensor_names), progress, model_id):
-                tensors[name] = torch.from_numpy(array).to(torch_dtype)
+            items = model.tensors_or_blocks(weights.carry)
+            for name, array in _progress(items, len(model.tensor_names), progress, model_id):
+                weights.add(name, array if isinstance(array, GGMLBlocks) else torch.from_numpy(array))
             write_hf_metadata(model, out)
         finally:
             model.close()
@@ -184,35 +194,40 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
             except SafetensorError as exc:  # check_format passed, yet the library disagrees
                 raise ModelFormatError(f"{file.name}: {exc}") from None
             for name, t in loaded.items():
-                tensors[name] = t.to(torch_dtype)
+                weights.add(name, t)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (src.path / name).is_file():
                 shutil.copyfile(src.path / name, out / name)
         if not (out / "tokenizer.json").is_file():
             raise RegistrationError(f"{src.path} has no tokenizer.json")
-    config["torch_dtype"] = dtype
+    config["torch_dtype"] = str(weights.float_dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / _PROFILE).write_text(json.dumps(materialize_profile(config, tensors, dtype), indent=1))
-    store.write(out / _STORE_DIR, tensors, model_id=model_id)
+    profile = materialize_profile(config, weights.tensors, dtype)
+    (out / _PROFILE).write_text(json.dumps(profile, indent=1))
+    store.write(out / _STORE_DIR, weights.tensors, model_id=model_id, metadata=weights.metadata())
     return config
 
 
 def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: str) -> dict[str, Any]:
     """Medusa §6: what an instance start would otherwise measure, recorded once per device kind.
 
-    KV geometry (bytes per block, blocks a request can need) and warm-up timings of a short
-    prefill and decode, so an engine start runs no profiling pass. CPU is profiled here; a
-    GPU kind is added when the model is first placed on one.
+    KV geometry (bytes per block, blocks a request can need), the weights' resident bytes (an
+    int8 / q4 model leaves that much more of an arena to KV: ``kv_blocks_per_gib``, blocks that
+    fit in a 1 GiB arena beside one copy of the weights) and warm-up timings of a short prefill
+    and decode, so an engine start runs no profiling pass. CPU is profiled here; a GPU kind is
+    added when the model is first placed on one.
     """
     import torch
 
     from runtime.models.llama import Batch, LlamaConfig, LlamaModel
 
     cfg = LlamaConfig.from_hf(config)
-    torch_dtype = getattr(torch, dtype)
+    kv_dtype = "bfloat16" if dtype in QUANTIZED else dtype  # activations and KV of a quantized model
+    torch_dtype = getattr(torch, kv_dtype)
     block_size = PROFILE_BLOCK_SIZE
     raw = cfg.kv_block_bytes(block_size, torch_dtype)
     block_bytes = -(-raw // 256) * 256
+    weight_bytes = sum(int(t.nbytes) for t in tensors.values())
     prompt = min(32, cfg.max_position_embeddings - 8)
     model = LlamaModel(cfg, tensors)
     nb = -(-(prompt + 8) // block_size)
@@ -231,10 +246,13 @@ def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: 
         "version": 1,
         "cpu": {
             "block_size": block_size,
-            "kv_dtype": dtype,
+            "kv_dtype": kv_dtype,
             "kv_block_bytes": block_bytes,
             "kv_bytes_per_token": raw // block_size,
             "max_blocks_per_request": -(-cfg.max_position_embeddings // block_size),
+            "weights_dtype": dtype,
+            "weight_bytes": weight_bytes,
+            "kv_blocks_per_gib": max(0, ((1 << 30) - weight_bytes) // block_bytes),
             "warmup": {
                 "prefill_tokens": prompt,
                 "prefill_ms": round(prefill * 1e3, 3),

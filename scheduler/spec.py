@@ -85,7 +85,7 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     source: str
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "int8", "q4"] = "bfloat16"  # runtime.registry.DTYPES
 
     @field_validator("source")
     @classmethod

@@ -1,12 +1,13 @@
 """The model store: canonical, mmap-able model files plus their manifest (public).
 
 :func:`write` builds a store entry from named torch tensors, :func:`read` returns its
-:class:`~gpu_pool.manifest.Manifest` and :func:`verify` re-hashes it (all in
-:mod:`~gpu_pool.store.entry`); :mod:`~gpu_pool.store.fingerprint` is the content hash that
-lets models share resident tensors, and :mod:`~gpu_pool.store.trust` is how the daemon checks a
-client's manifest against the store entries it trusts.
+:class:`~gpu_pool.manifest.Manifest`, :func:`read_metadata` what else the writer recorded (a
+model's quantization) and :func:`verify` re-hashes it (all in :mod:`~gpu_pool.store.entry`);
+:mod:`~gpu_pool.store.fingerprint` is the content hash that lets models share resident tensors,
+and :mod:`~gpu_pool.store.trust` is how the daemon checks a client's manifest against the store
+entries it trusts.
 """
 
-from gpu_pool.store.entry import MANIFEST_FILE, TENSORS_FILE, read, verify, write
+from gpu_pool.store.entry import MANIFEST_FILE, TENSORS_FILE, read, read_metadata, verify, write
 
-__all__ = ["MANIFEST_FILE", "TENSORS_FILE", "read", "verify", "write"]
+__all__ = ["MANIFEST_FILE", "TENSORS_FILE", "read", "read_metadata", "verify", "write"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
+_METADATA = "metadata"  # manifest.json key of write()'s metadata (Manifest.from_dict ignores it)
 
 # safetensors dtype tags -> manifest dtype names.
 _SAFETENSORS_DTYPES = {
@@ -51,11 +52,14 @@ def write(
     tensors: dict[str, torch.Tensor],
     model_id: str | None = None,
     latency_sensitivity: float = 1.0,
+    metadata: dict[str, Any] | None = None,
 ) -> Manifest:
     """Write a store entry at ``path`` (a directory) from named tensors and return its manifest.
 
     The directory must not exist yet; it is created atomically (written beside it under a
-    temporary name, then renamed). ``model_id`` defaults to the directory name.
+    temporary name, then renamed). ``model_id`` defaults to the directory name. ``metadata``
+    (JSON-able, e.g. the model's quantization) is kept in ``manifest.json`` beside the tensor
+    list for :func:`read_metadata`; the pool never reads it (it sees tensors only).
     """
     from safetensors.torch import save_file
 
@@ -76,7 +80,10 @@ def write(
             recorded_path=final / TENSORS_FILE,
             order=list(tensors),
         )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(_relative(manifest.to_dict()), indent=1))
+        document = _relative(manifest.to_dict())
+        if metadata:
+            document[_METADATA] = metadata
+        (tmp / MANIFEST_FILE).write_text(json.dumps(document, indent=1))
         _fsync_dir_tree(tmp)
         os.rename(tmp, final)
     except BaseException:
@@ -101,6 +108,21 @@ def read(path: str | os.PathLike[str]) -> Manifest:
             if isinstance(t, dict) and isinstance(t.get("file"), str):
                 t["file"] = str(entry / t["file"])
     return Manifest.from_dict(data)
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata`` the store entry at ``path`` was written with (``{}`` if none)."""
+    file = Path(path).absolute() / MANIFEST_FILE
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"no store entry at {path} (missing {MANIFEST_FILE})") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{file} is not valid JSON: {exc}") from None
+    metadata = data.get(_METADATA, {}) if isinstance(data, dict) else None
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{file}: {_METADATA!r} must be a JSON object")
+    return metadata
 
 
 def _relative(data: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ gpt-fast style, but with no ``nn.Module`` at all: building modules, even on the 
 device, costs ~80 ms for SmolLM2 (DESIGN.md, cold-start budget), while binding a dict of
 pool tensor views costs microseconds and copies nothing. Covered: grouped-query attention,
 RMSNorm, SwiGLU, RoPE (default and llama3 scaling), tied or untied embeddings, optional
-q/k/v bias (Qwen2).
+q/k/v bias (Qwen2). Projection weights may be weight-only int8 / q4 (:class:`QuantWeight`,
+layouts in :mod:`runtime.quant`), bound from the table with their scales.
 
 KV cache: paged. ``kv_blocks`` is one tensor of shape (num_blocks, L, 2, BS, H_kv, D):
 block b holds K and V of every layer for BS consecutive tokens of one sequence. It can be
@@ -23,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the universal alias
+
+from runtime.models.quant_weight import QuantWeight, bind_weight
+from runtime.quant import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +104,19 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+Linear = torch.Tensor | QuantWeight  # a projection: plain, or int8/q4 (runtime.quant layouts)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv: tuple[Linear, Linear, Linear]
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    o: torch.Tensor
+    o: Linear
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +148,10 @@ class LlamaModel:
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         self.layers = []
+
+        def lin(name: str) -> Linear:  # a quantized weight binds with its scales
+            return bind_weight(w, name)
+
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -152,13 +163,13 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     w[p + "input_layernorm.weight"],
-                    (w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+                    (lin(a + "q_proj.weight"), lin(a + "k_proj.weight"), lin(a + "v_proj.weight")),
                     bias,
-                    w[a + "o_proj.weight"],
+                    lin(a + "o_proj.weight"),
                     w[p + "post_attention_layernorm.weight"],
-                    w[p + "mlp.gate_proj.weight"],
-                    w[p + "mlp.up_proj.weight"],
-                    w[p + "mlp.down_proj.weight"],
+                    lin(p + "mlp.gate_proj.weight"),
+                    lin(p + "mlp.up_proj.weight"),
+                    lin(p + "mlp.down_proj.weight"),
                 )
             )
         self.dtype = self.embed.dtype
@@ -189,9 +200,9 @@ class LlamaModel:
         block_idx, block_off = batch.slots // block_size, batch.slots % block_size
         for layer_id, lw in enumerate(self.layers):
             h = _rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-            q = F.linear(h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
-            k = F.linear(h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
-            v = F.linear(h, lw.qkv[2], lw.qkv_bias[2] if lw.qkv_bias else None)
+            q = linear(h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
+            k = linear(h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
+            v = linear(h, lw.qkv[2], lw.qkv_bias[2] if lw.qkv_bias else None)
             q = _apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # (N, H, D)
             k = _apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (N, Hkv, D)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (N, Hkv, D)
@@ -214,9 +225,9 @@ class LlamaModel:
                 ).reshape(-1, cfg.num_heads * cfg.head_dim)
             else:
                 attn = self._attention(q, k, v, k_cache, v_cache, batch)  # (N, H*D)
-            x = x + F.linear(attn, lw.o)
+            x = x + linear(attn, lw.o)
             h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, lw.gate)) * F.linear(h, lw.up), lw.down)
+            x = x + linear(F.silu(linear(h, lw.gate)) * linear(h, lw.up), lw.down)
         last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()

@@ -40,6 +40,18 @@ def test_write_records_offsets_and_fingerprints(tmp_path: Path) -> None:
     assert store.verify(m) == []
 
 
+def test_metadata_is_kept_beside_the_manifest(tmp_path: Path) -> None:
+    meta = {"quantization": {"method": "q4", "quantized": {"w": "carried Q4_1"}}}
+    m = store.write(tmp_path / "q", {"w": torch.zeros(4, dtype=torch.uint8)}, metadata=meta)
+    assert store.read_metadata(tmp_path / "q") == meta
+    assert store.read(tmp_path / "q") == m  # the manifest itself is unchanged by it
+    store.write(tmp_path / "plain", {"w": torch.zeros(4)})
+    assert store.read_metadata(tmp_path / "plain") == {}
+    (tmp_path / "q" / store.MANIFEST_FILE).write_text('{"metadata": [1]}')
+    with pytest.raises(ManifestError, match="metadata"):
+        store.read_metadata(tmp_path / "q")
+
+
 def test_fingerprint_covers_dtype_and_shape() -> None:
     data = bytes(range(16))
     assert fingerprint("float32", (4,), data) != fingerprint("int32", (4,), data)

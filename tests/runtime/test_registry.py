@@ -115,7 +115,7 @@ def test_registration_is_idempotent_and_atomic(tiny_gguf: Path, tmp_path: Path) 
 
 def test_bad_dtype_and_bad_files_are_rejected(tiny_gguf: Path, tmp_path: Path) -> None:
     with pytest.raises(RegistrationError, match="dtype"):
-        register(str(tiny_gguf), "int8", home=tmp_path)
+        register(str(tiny_gguf), "int4", home=tmp_path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(RegistrationError, match="GGUF"):

@@ -61,8 +61,9 @@ def hf_weights(seed: int = 0, layers: int = LAYERS) -> dict[str, np.ndarray]:
     return w
 
 
-def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray]) -> None:
-    """Write ``weights`` as a llama GGUF: llama.cpp names, permuted q/k, F32 tensors."""
+def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], projections: int | None = None) -> None:
+    """Write ``weights`` as a llama GGUF: llama.cpp names, permuted q/k, F32 tensors; the layers'
+    projection weights as GGML type ``projections`` (e.g. Q4_1, quantized by ``gguf``) if given."""
     import gguf
 
     tokens, merges, types = byte_level_vocab()
@@ -113,6 +114,10 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray]) -> None:
                 data = permute(array, KV_HEADS)
         else:
             gname = names[name]
+        if projections is not None and name.endswith("_proj.weight"):
+            qtype = gguf.GGMLQuantizationType(projections)
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+            continue
         w.add_tensor(gname, np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -63,6 +63,22 @@ def test_defaults_are_filled_in() -> None:
     assert doc["model"]["dtype"] == "bfloat16" and doc["latencySensitivity"] == 1.0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8", "q4"])
+def test_every_registrable_dtype_is_accepted(dtype: str) -> None:
+    f = parse_function_yaml(EXAMPLE.replace("dtype: bfloat16", f"dtype: {dtype}"))
+    assert f.spec.model.dtype == dtype and f.to_document()["spec"]["model"]["dtype"] == dtype
+
+
+def test_spec_dtypes_are_the_registrys() -> None:
+    """The spec validates what registration accepts (scheduler may not import runtime)."""
+    from typing import get_args
+
+    from runtime.registry import DTYPES
+    from scheduler.spec import ModelSpec
+
+    assert get_args(ModelSpec.model_fields["dtype"].annotation) == DTYPES
+
+
 @pytest.mark.parametrize(
     ("patch", "field"),
     [
