@@ -75,7 +75,9 @@ class AccessControl:
         could plant KV that another function's prompts would restore. A pool run by hand without
         an admin token is single-tenant: its sessions share the pool-wide scope."""
         if self._admin_token is not None and not session.prefix_scope:
-            raise Forbidden(f"{op}: prefix KV is shared within one function: this session's ticket names none")
+            raise Forbidden(
+                f"{op}: prefix KV is shared within one function; this session's ticket names none"
+            )
 
     def require_admin(self, session: Session, op: str) -> None:
         """Raise :class:`Forbidden` unless the session presented the admin token."""
