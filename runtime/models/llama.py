@@ -165,7 +165,7 @@ class LlamaModel:
                     w[p + "mlp.down_proj.weight"],
                 )
             )
-        self.dtype = self.norm.dtype  # the residual stream's (weights may be quantized)
+        self.dtype = self.embed.dtype
         self.inv_freq = rope_inv_freq(config).to(self.embed.device)
         # On CUDA, KV writes and decode attention use the RawKernels of runtime.kernels_cuda
         # (prefill keeps SDPA) when CuPy is installed; False forces the torch path everywhere.
@@ -177,8 +177,6 @@ class LlamaModel:
         from runtime.models.llama_decode import KernelPath
 
         self.cpu_kernels = KernelPath.create(self, cpu_kernels)
-        if self.cpu_kernels is None and any(t.dtype in (torch.int8, torch.uint8) for t in w.values()):
-            raise ValueError("quantized weights need the CPU kernels (runtime._cpu_kernels)")
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:

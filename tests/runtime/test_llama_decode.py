@@ -78,7 +78,7 @@ def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa:
     packed: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
     for name, t in ref.state_dict().items():
-        if t.dim() == 2:  # every matrix, the embedding included
+        if t.dim() == 2 and ".layers." in name:  # the projections (runtime.quant's registration)
             w = quantize(t)
             packed[name], dense[name] = w.data, w.dequantize()
             packed[name + ".scales"] = w.scales  # type: ignore[assignment]
@@ -95,8 +95,6 @@ def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa:
     run_script(
         torch_model, kv_ref, lambda want, _: torch.testing.assert_close(next(it), want, atol=1e-4, rtol=1e-4)
     )
-    with pytest.raises(ValueError, match="need the CPU kernels"):
-        LlamaModel(config, packed, cpu_kernels="off")
 
 
 @pytest.fixture(scope="module")
