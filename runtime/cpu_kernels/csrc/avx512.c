@@ -2,7 +2,7 @@
  *
  * Every weight tile is up to 4 rows of W against up to 4 rows of x: each weight vector loaded
  * from memory feeds MC FMAs, so a batch of M rows streams the weights once (the tile stays in
- * L1 while the driver walks x in chunks of 4). Weights are widened to fp32 in registers; the
+ * L1/L2 while the driver walks x in chunks of 4). Weights are widened to fp32 in registers; the
  * activations stay fp32, so results equal the portable path up to summation order. */
 #include <immintrin.h>
 
@@ -21,147 +21,139 @@ INLINE AVX512 __m512 ld_bf16_tail(const uint16_t *p, __mmask16 mk) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-INLINE AVX512 void store_res(__m512 acc[4][4], int R, int MC, float *res) {
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < MC; m++) res[r * 4 + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
+/* Rows are read one after another, each front to back, so the weights stream through memory
+ * in address order, which the hardware prefetcher follows best: walking 4 rows side by side
+ * ran at a third of the bandwidth, and software prefetching 0.5-4 KiB ahead only slowed this
+ * order down (measured on Zen 4). Two accumulators per row of x hide the FMA latency; the x
+ * rows (at most 4) stay in L1. */
+
+INLINE AVX512 float hsum2(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 /* ---- fp32 and bf16 weights: any K (a masked tail) ----------------------------------------- */
 
-INLINE AVX512 void body_float(const void *w, int bf16, i64 r0, int R, const ck_act *a, i64 m0, int MC,
-                              i64 k, float *res) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
-    const float *x = a->x + m0 * a->ldx;
-    i64 i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m512 xv[4];
-        for (int m = 0; m < MC; m++) xv[m] = _mm512_loadu_ps(x + m * a->ldx + i);
-        for (int r = 0; r < R; r++) {
-            __m512 wv = bf16 ? ld_bf16((const uint16_t *)w + (r0 + r) * k + i)
-                             : _mm512_loadu_ps((const float *)w + (r0 + r) * k + i);
-            for (int m = 0; m < MC; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
-        }
-    }
-    if (i < k) {
-        __mmask16 mk = (__mmask16)((1u << (k - i)) - 1);
-        __m512 xv[4];
-        for (int m = 0; m < MC; m++) xv[m] = _mm512_maskz_loadu_ps(mk, x + m * a->ldx + i);
-        for (int r = 0; r < R; r++) {
-            __m512 wv = bf16 ? ld_bf16_tail((const uint16_t *)w + (r0 + r) * k + i, mk)
-                             : _mm512_maskz_loadu_ps(mk, (const float *)w + (r0 + r) * k + i);
-            for (int m = 0; m < MC; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
-        }
-    }
-    store_res(acc, R, MC, res);
+INLINE AVX512 __m512 ld_w(const void *w, int bf16, i64 off) {
+    return bf16 ? ld_bf16((const uint16_t *)w + off) : _mm512_loadu_ps((const float *)w + off);
 }
 
-/* ---- q8_0: 32 int8 per group, one fp16 scale ---------------------------------------------- */
-
-INLINE AVX512 void body_q8_0(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
+INLINE AVX512 void row_float(const void *w, int bf16, i64 row, const ck_act *a, i64 m0, int MC, i64 k,
                              float *res) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
+    __m512 acc0[4], acc1[4];
+    for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     const float *x = a->x + m0 * a->ldx;
-    i64 groups = k / CK_GROUP;
-    for (i64 g = 0; g < groups; g++) {
-        __m512 xl[4], xh[4];
+    i64 base = row * k, i = 0;
+    for (; i + 32 <= k; i += 32) {
+        __m512 w0 = ld_w(w, bf16, base + i), w1 = ld_w(w, bf16, base + i + 16);
         for (int m = 0; m < MC; m++) {
-            xl[m] = _mm512_loadu_ps(x + m * a->ldx + g * CK_GROUP);
-            xh[m] = _mm512_loadu_ps(x + m * a->ldx + g * CK_GROUP + 16);
-        }
-        for (int r = 0; r < R; r++) {
-            const int8_t *q = (const int8_t *)w->data + (r0 + r) * k + g * CK_GROUP;
-            __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-            __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)w->scales)[(r0 + r) * groups + g]));
-            for (int m = 0; m < MC; m++) {
-                __m512 t = _mm512_fmadd_ps(qh, xh[m], _mm512_mul_ps(ql, xl[m]));
-                acc[r][m] = _mm512_fmadd_ps(t, s, acc[r][m]);
-            }
+            acc0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * a->ldx + i), acc0[m]);
+            acc1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * a->ldx + i + 16), acc1[m]);
         }
     }
-    store_res(acc, R, MC, res);
+    for (; i < k; i += 16) {
+        __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512 wv = bf16 ? ld_bf16_tail((const uint16_t *)w + base + i, mk)
+                         : _mm512_maskz_loadu_ps(mk, (const float *)w + base + i);
+        for (int m = 0; m < MC; m++)
+            acc0[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * a->ldx + i), acc0[m]);
+    }
+    for (int m = 0; m < MC; m++) res[m] = hsum2(acc0[m], acc1[m]);
 }
 
-/* ---- q4_1: 16 bytes per group (low nibble = even k), fp16 scale and min ------------------- */
+/* ---- q8_0: 32 int8 per group, one fp16 scale; two groups (a cache line) per step ---------- */
 
-INLINE AVX512 void body_q4_1(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
-                             float *res) {
-    __m512 acc[4][4];
-    float mins[4][4] = {{0}};
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
+INLINE AVX512 __m512 q8_dot(const int8_t *q, const float *x) {
+    __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    return _mm512_fmadd_ps(qh, _mm512_loadu_ps(x + 16), _mm512_mul_ps(ql, _mm512_loadu_ps(x)));
+}
+
+INLINE AVX512 void row_q8_0(const ck_weight *w, i64 row, const ck_act *a, i64 m0, int MC, i64 k, float *res) {
+    __m512 acc0[4], acc1[4];
+    for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
+    const float *x = a->x + m0 * a->ldx;
+    i64 groups = k / CK_GROUP, g = 0;
+    const int8_t *q = (const int8_t *)w->data + row * k;
+    const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
+    for (; g + 2 <= groups; g += 2) {
+        __m512 s0 = _mm512_set1_ps(_cvtsh_ss(sc[g])), s1 = _mm512_set1_ps(_cvtsh_ss(sc[g + 1]));
+        for (int m = 0; m < MC; m++) {
+            const float *xm = x + m * a->ldx + g * CK_GROUP;
+            acc0[m] = _mm512_fmadd_ps(q8_dot(q + g * CK_GROUP, xm), s0, acc0[m]);
+            acc1[m] = _mm512_fmadd_ps(q8_dot(q + (g + 1) * CK_GROUP, xm + CK_GROUP), s1, acc1[m]);
+        }
+    }
+    if (g < groups) {
+        __m512 s0 = _mm512_set1_ps(_cvtsh_ss(sc[g]));
+        for (int m = 0; m < MC; m++)
+            acc0[m] = _mm512_fmadd_ps(q8_dot(q + g * CK_GROUP, x + m * a->ldx + g * CK_GROUP), s0, acc0[m]);
+    }
+    for (int m = 0; m < MC; m++) res[m] = hsum2(acc0[m], acc1[m]);
+}
+
+/* ---- q4_1: 16 bytes per group (low nibble = even k), fp16 scale and min; four groups per step */
+
+INLINE AVX512 __m512 q4_dot(const uint8_t *q, const float *xp) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    return _mm512_fmadd_ps(qo, _mm512_loadu_ps(xp + 16), _mm512_mul_ps(qe, _mm512_loadu_ps(xp)));
+}
+
+INLINE AVX512 void row_q4_1(const ck_weight *w, i64 row, const ck_act *a, i64 m0, int MC, i64 k, float *res) {
+    __m512 acc0[4], acc1[4];
+    for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
+    i64 groups = k / CK_GROUP, g = 0;
     const float *xp = a->xperm + m0 * k;
-    const float *xs = a->xsum + m0 * (k / CK_GROUP);
-    i64 groups = k / CK_GROUP;
-    const __m512i low = _mm512_set1_epi32(15);
-    for (i64 g = 0; g < groups; g++) {
-        __m512 xe[4], xo[4];
+    const uint8_t *q = (const uint8_t *)w->data + row * (k / 2);
+    const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
+    const uint16_t *mn = (const uint16_t *)w->mins + row * groups;
+    for (; g + 2 <= groups; g += 2) {
+        __m512 s0 = _mm512_set1_ps(_cvtsh_ss(sc[g])), s1 = _mm512_set1_ps(_cvtsh_ss(sc[g + 1]));
         for (int m = 0; m < MC; m++) {
-            xe[m] = _mm512_loadu_ps(xp + m * k + g * CK_GROUP);
-            xo[m] = _mm512_loadu_ps(xp + m * k + g * CK_GROUP + 16);
-        }
-        for (int r = 0; r < R; r++) {
-            const uint8_t *q = (const uint8_t *)w->data + (r0 + r) * (k / 2) + g * (CK_GROUP / 2);
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-            __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
-            __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            i64 gi = (r0 + r) * groups + g;
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)w->scales)[gi]));
-            float mn = _cvtsh_ss(((const uint16_t *)w->mins)[gi]);
-            for (int m = 0; m < MC; m++) {
-                __m512 t = _mm512_fmadd_ps(qo, xo[m], _mm512_mul_ps(qe, xe[m]));
-                acc[r][m] = _mm512_fmadd_ps(t, s, acc[r][m]);
-                mins[r][m] += mn * xs[m * groups + g];
-            }
+            const float *xm = xp + m * k + g * CK_GROUP;
+            acc0[m] = _mm512_fmadd_ps(q4_dot(q + g * (CK_GROUP / 2), xm), s0, acc0[m]);
+            acc1[m] = _mm512_fmadd_ps(q4_dot(q + (g + 1) * (CK_GROUP / 2), xm + CK_GROUP), s1, acc1[m]);
         }
     }
-    store_res(acc, R, MC, res);
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < MC; m++) res[r * 4 + m] += mins[r][m];
+    if (g < groups) {
+        __m512 s0 = _mm512_set1_ps(_cvtsh_ss(sc[g]));
+        for (int m = 0; m < MC; m++)
+            acc0[m] = _mm512_fmadd_ps(q4_dot(q + g * (CK_GROUP / 2), xp + m * k + g * CK_GROUP), s0, acc0[m]);
+    }
+    for (int m = 0; m < MC; m++) {
+        const float *xs = a->xsum + (m0 + m) * groups;
+        float mins = 0.f; /* sum over groups of min * sum(x of the group) */
+        for (i64 j = 0; j < groups; j++) mins += _cvtsh_ss(mn[j]) * xs[j];
+        res[m] = hsum2(acc0[m], acc1[m]) + mins;
+    }
 }
 
-/* Constant R and MC for every call, so the compiler unrolls the tile into registers. */
-#define DISPATCH(CALL)                                                                              \
-    switch ((R - 1) * 4 + (MC - 1)) {                                                              \
-    case 0: CALL(1, 1); break;  case 1: CALL(1, 2); break;  case 2: CALL(1, 3); break;             \
-    case 3: CALL(1, 4); break;  case 4: CALL(2, 1); break;  case 5: CALL(2, 2); break;             \
-    case 6: CALL(2, 3); break;  case 7: CALL(2, 4); break;  case 8: CALL(3, 1); break;             \
-    case 9: CALL(3, 2); break;  case 10: CALL(3, 3); break; case 11: CALL(3, 4); break;            \
-    case 12: CALL(4, 1); break; case 13: CALL(4, 2); break; case 14: CALL(4, 3); break;            \
-    default: CALL(4, 4); break;                                                                     \
+/* A constant MC for every call, so the compiler keeps the accumulators in registers. */
+#define DISPATCH(CALL)              \
+    switch (MC) {                   \
+    case 1: CALL(1); break;         \
+    case 2: CALL(2); break;         \
+    case 3: CALL(3); break;         \
+    default: CALL(4); break;        \
     }
 
-static AVX512 void tile_f32(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
-                            float *res) {
-#define C(r, m) body_float((const void *)w->data, 0, r0, r, a, m0, m, k, res)
-    DISPATCH(C)
-#undef C
-}
+#define TILE(NAME, ROW)                                                                                 \
+    static AVX512 void NAME(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k, \
+                            float *res) {                                                               \
+        float t[4];                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                   \
+            DISPATCH(ROW)                                                                               \
+            for (int m = 0; m < MC; m++) res[r * 4 + m] = t[m];                                         \
+        }                                                                                               \
+    }
 
-static AVX512 void tile_bf16(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
-                             float *res) {
-#define C(r, m) body_float((const void *)w->data, 1, r0, r, a, m0, m, k, res)
-    DISPATCH(C)
-#undef C
-}
-
-static AVX512 void tile_q8_0(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
-                             float *res) {
-#define C(r, m) body_q8_0(w, r0, r, a, m0, m, k, res)
-    DISPATCH(C)
-#undef C
-}
-
-static AVX512 void tile_q4_1(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k,
-                             float *res) {
-#define C(r, m) body_q4_1(w, r0, r, a, m0, m, k, res)
-    DISPATCH(C)
-#undef C
-}
+#define ROW_F32(mc) row_float((const void *)w->data, 0, r0 + r, a, m0, mc, k, t)
+#define ROW_BF16(mc) row_float((const void *)w->data, 1, r0 + r, a, m0, mc, k, t)
+#define ROW_Q8_0(mc) row_q8_0(w, r0 + r, a, m0, mc, k, t)
+#define ROW_Q4_1(mc) row_q4_1(w, r0 + r, a, m0, mc, k, t)
+TILE(tile_f32, ROW_F32)
+TILE(tile_bf16, ROW_BF16)
+TILE(tile_q8_0, ROW_Q8_0)
+TILE(tile_q4_1, ROW_Q4_1)
 
 /* ---- attention: one query head, K/V read in place from the blocks -------------------------- */
 
