@@ -41,6 +41,8 @@ class KernelWeights:
     def __init__(self, model: LlamaModel) -> None:
         cfg, w = model.config, model.weights
         self.round = int(model.dtype == torch.bfloat16)
+        # A bf16 model's linear inputs are bf16 values: bf16 weights may use bf16 dot products.
+        self.flags = ops.ROUND_BF16 | ops.X_BF16 if self.round else 0
         self.norm_code = ops.float_code(model.dtype)
         self.embed = ops.descriptors([Weight.from_table(w, "model.embed_tokens.weight")])
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -123,11 +125,12 @@ class KernelStep:
         k_ptr, v_ptr = qkv + h * d * 4, qkv + (h + hkv) * d * 4
         ids_p, pos_p, slot_p = ids.data_ptr(), positions.data_ptr(), slots.data_ptr()
         tab_p, width, rows_p, ctx_p = tables.data_ptr(), tables.shape[1], rows.data_ptr(), ctx.data_ptr()
-        cos, sin, scale, flags_acc = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5, ops.ACCUMULATE | 2 * rnd
+        cos, sin, scale = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5
+        flags, flags_acc = w.flags, w.flags | ops.ACCUMULATE
         k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
         for (in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv in zip(w.layers, self.kv, strict=True):
             k.rms_norm(x, e, 0, hb, e, in_norm, w.norm_code, n, e, eps, rnd)
-            k.linear(threads, qkv_d.data_ptr(), 3, hb, e, n, e, qkv, qkv_w, 2 * rnd, 0)
+            k.linear(threads, qkv_d.data_ptr(), 3, hb, e, n, e, qkv, qkv_w, flags, 0)
             k.rope(qkv, qkv_w, h + hkv, d, pos_p, n, cos, sin, rnd)
             k.kv_write(
                 k_ptr, v_ptr, qkv_w, kv.address, kv.dtype, kv.block_stride, kv.block_size, hkv * d, slot_p, n
@@ -138,11 +141,11 @@ class KernelStep:
             )  # fmt: skip
             k.linear(threads, o_d.data_ptr(), 1, attn, h * d, n, h * d, x, e, flags_acc, 0)
             k.rms_norm(x, e, 0, hb, e, post_norm, w.norm_code, n, e, eps, rnd)
-            k.linear(threads, mlp_d.data_ptr(), 2, hb, e, n, e, mlp, inter, 2 * rnd, 1)
+            k.linear(threads, mlp_d.data_ptr(), 2, hb, e, n, e, mlp, inter, flags, 1)
             k.linear(threads, down_d.data_ptr(), 1, mlp, inter, n, inter, x, e, flags_acc, 0)
         k.rms_norm(x, e, last, hb, e, w.norm, w.norm_code, bsz, e, eps, rnd)
         logits = torch.empty(bsz, cfg.vocab_size)
-        k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, 2 * rnd, 0)
+        k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, flags, 0)
         return logits
 
 

@@ -4,9 +4,10 @@
  * from memory feeds MC FMAs, so a batch of M rows streams the weights once (the tile stays in
  * L1/L2 while the driver walks x in chunks of 4). Weights are widened to fp32 in registers; the
  * activations stay fp32, so results equal the portable path up to summation order. */
-#include <immintrin.h>
-
 #include "ck.h"
+
+#ifdef CK_HAVE_AVX512_PATH /* x86-64 with GCC or Clang; elsewhere only the portable path exists */
+#include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
@@ -54,6 +55,30 @@ INLINE AVX512 void row_float(const void *w, int bf16, i64 row, const ck_act *a, 
                          : _mm512_maskz_loadu_ps(mk, (const float *)w + base + i);
         for (int m = 0; m < MC; m++)
             acc0[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * a->ldx + i), acc0[m]);
+    }
+    for (int m = 0; m < MC; m++) res[m] = hsum2(acc0[m], acc1[m]);
+}
+
+/* bf16 weights against bf16-exact x (CK_X_BF16): vdpbf16ps multiplies pairs exactly and sums
+ * in fp32, 32 weights per instruction and no widening. K's tail: masked loads give zero pairs. */
+INLINE AVX512 void row_bf16dp(const uint16_t *w, i64 row, const ck_act *a, i64 m0, int MC, i64 k,
+                              float *res) {
+    __m512 acc0[4], acc1[4];
+    for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
+    const uint16_t *wr = w + row * k, *xb = a->xbf + m0 * k;
+    i64 i = 0;
+    for (; i + 64 <= k; i += 64) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i), w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);
+        for (int m = 0; m < MC; m++) {
+            acc0[m] = _mm512_dpbf16_ps(acc0[m], w0, (__m512bh)_mm512_loadu_si512(xb + m * k + i));
+            acc1[m] = _mm512_dpbf16_ps(acc1[m], w1, (__m512bh)_mm512_loadu_si512(xb + m * k + i + 32));
+        }
+    }
+    for (; i < k; i += 32) {
+        __mmask32 mk = k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - i)) - 1);
+        __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + i);
+        for (int m = 0; m < MC; m++)
+            acc0[m] = _mm512_dpbf16_ps(acc0[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, xb + m * k + i));
     }
     for (int m = 0; m < MC; m++) res[m] = hsum2(acc0[m], acc1[m]);
 }
@@ -147,7 +172,9 @@ INLINE AVX512 void row_q4_1(const ck_weight *w, i64 row, const ck_act *a, i64 m0
     }
 
 #define ROW_F32(mc) row_float((const void *)w->data, 0, r0 + r, a, m0, mc, k, t)
-#define ROW_BF16(mc) row_float((const void *)w->data, 1, r0 + r, a, m0, mc, k, t)
+#define ROW_BF16(mc)                                                               \
+    (a->xbf ? row_bf16dp((const uint16_t *)w->data, r0 + r, a, m0, mc, k, t)      \
+            : row_float((const void *)w->data, 1, r0 + r, a, m0, mc, k, t))
 #define ROW_Q8_0(mc) row_q8_0(w, r0 + r, a, m0, mc, k, t)
 #define ROW_Q4_1(mc) row_q4_1(w, r0 + r, a, m0, mc, k, t)
 TILE(tile_f32, ROW_F32)
@@ -203,4 +230,5 @@ static AVX512 void attn(const ck_attn *a, const float *q, const i64 *table, i64 
     for (int j = 0; j < nv; j++) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], inv));
 }
 
-const ck_isa ck_avx512_isa = {"avx512", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn};
+const ck_isa ck_avx512_isa = {"avx512", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 1};
+#endif

@@ -39,6 +39,7 @@ typedef struct {
     i64 ldx, m, k;
     const float *xperm; /* q4_1: x with every group of 32 reordered evens then odds, (M, K) */
     const float *xsum;  /* q4_1: sum of x per group, (M, K/32) */
+    const uint16_t *xbf; /* bf16 weights on the AVX-512 path: x as bf16 (M, K) when it is exact */
 } ck_act;
 
 /* Results of one tile: res[r * 4 + m] = dot(W row r0 + r, x row m0 + m), r < R <= 4, m < MC <= 4. */
@@ -61,10 +62,14 @@ typedef struct {
     const char *name;
     ck_tile_fn tile[4]; /* by dtype: F32, BF16, Q8_0, Q4_1 */
     ck_attn_fn attn;
+    int bf16_dot; /* its bf16 tile reads ck_act.xbf (CK_X_BF16) */
 } ck_isa;
 
 extern const ck_isa ck_generic_isa;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CK_HAVE_AVX512_PATH 1
 extern const ck_isa ck_avx512_isa;
+#endif
 
 /* ---- scalar conversions ------------------------------------------------------------------ */
 
@@ -119,7 +124,9 @@ static inline float ck_load(const void *p, i64 dtype, i64 i) {
 
 /* ---- drivers (ops.c): argument checks are the binding's job ------------------------------- */
 
-enum { CK_ACCUMULATE = 1, CK_ROUND_BF16 = 2 };
+/* CK_X_BF16: every x value is a bfloat16 (a bf16 model's activations are rounded to it), so bf16
+ * weights may use bf16 dot products (vdpbf16ps: exact products, fp32 sums) at half the FMAs. */
+enum { CK_ACCUMULATE = 1, CK_ROUND_BF16 = 2, CK_X_BF16 = 4 };
 
 int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const float *x, i64 ldx,
               i64 m, i64 k, float *out, i64 ldo, int flags, int swiglu);

@@ -68,7 +68,8 @@ PyDoc_STRVAR(linear_doc,
 "out[:, cols of weight i] = x @ W_i.T (+ bias) for the `nweights` matrices described at `weights`\n"
 "(int64 (nweights, 8): dtype, data, scales, mins, bias, bias_dtype, out_features, 0), side by side\n"
 "in `out`. x: fp32 (m, k), row stride ldx; out: fp32, row stride ldo. flags: 1 accumulate\n"
-"(out += result), 2 round to bfloat16 where the torch path does. swiglu=1 (two weights, gate\n"
+"(out += result), 2 round to bfloat16 where the torch path does, 4 every x is a bfloat16 value\n"
+"(bf16 weights may then use bf16 dot products). swiglu=1 (two weights, gate\n"
 "and up): out = silu(x @ Wg.T) * (x @ Wu.T).");
 
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -227,7 +228,7 @@ static PyObject *py_embedding(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 static int cpu_has_avx512(void) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef CK_HAVE_AVX512_PATH
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -236,6 +237,13 @@ static int cpu_has_avx512(void) {
 #else
     return 0;
 #endif
+}
+
+static const ck_isa *best_isa(void) {
+#ifdef CK_HAVE_AVX512_PATH
+    if (cpu_has_avx512()) return &ck_avx512_isa;
+#endif
+    return &ck_generic_isa;
 }
 
 PyDoc_STRVAR(isa_doc, "isa()\n--\n\nThe path the kernels take: 'avx512' or 'generic'.");
@@ -259,7 +267,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *name) {
             bad("this CPU lacks AVX-512 F/BW/VL/DQ/BF16");
             return NULL;
         }
-        state_of(self)->isa = has ? &ck_avx512_isa : &ck_generic_isa;
+        state_of(self)->isa = best_isa();
     } else {
         bad("isa must be 'generic', 'avx512' or 'auto'");
         return NULL;
@@ -280,7 +288,7 @@ static PyMethodDef methods[] = {
 };
 
 static int exec_module(PyObject *module) {
-    state_of(module)->isa = cpu_has_avx512() ? &ck_avx512_isa : &ck_generic_isa;
+    state_of(module)->isa = best_isa();
     return 0;
 }
 

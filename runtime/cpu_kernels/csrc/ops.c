@@ -25,14 +25,28 @@ static void tile_all_rows(const ck_isa *isa, const ck_weight *w, i64 r0, int R, 
 int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const float *x, i64 ldx, i64 m,
               i64 k, float *out, i64 ldo, int flags, int swiglu) {
     int round = flags & CK_ROUND_BF16, accumulate = flags & CK_ACCUMULATE;
-    ck_act a = {x, ldx, m, k, NULL, NULL};
+    ck_act a = {x, ldx, m, k, NULL, NULL, NULL};
     float *scratch = NULL;
-    int need_perm = 0;
-    for (int i = 0; i < nw; i++) need_perm |= w[i].dtype == CK_Q4_1;
+    uint16_t *xbf = NULL;
+    int need_perm = 0, any_bf16 = 0;
+    for (int i = 0; i < nw; i++) {
+        need_perm |= w[i].dtype == CK_Q4_1;
+        any_bf16 |= w[i].dtype == CK_BF16;
+    }
+    if ((flags & CK_X_BF16) && any_bf16 && isa->bf16_dot) {
+        xbf = malloc(sizeof(uint16_t) * (size_t)(m * k));
+        if (!xbf) return -1;
+        for (i64 r = 0; r < m; r++)
+            for (i64 j = 0; j < k; j++) xbf[r * k + j] = ck_f32_to_bf16(x[r * ldx + j]);
+        a.xbf = xbf;
+    }
     if (need_perm) { /* q4_1 reads x as evens then odds per group, and each group's sum */
         i64 groups = k / CK_GROUP;
         scratch = malloc(sizeof(float) * (size_t)(m * k + m * groups));
-        if (!scratch) return -1;
+        if (!scratch) {
+            free(xbf);
+            return -1;
+        }
         for (i64 r = 0; r < m; r++) {
             const float *xr = x + r * ldx;
             float *p = scratch + r * k, *s = scratch + m * k + r * groups;
@@ -105,6 +119,7 @@ int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const
         }
     }
     free(scratch);
+    free(xbf);
     return failed ? -1 : 0;
 }
 

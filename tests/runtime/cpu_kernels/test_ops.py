@@ -115,6 +115,17 @@ def test_bf16_rounding_matches_the_torch_path(ext: ModuleType) -> None:
     torch.testing.assert_close(swi, ref2.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("k", [64, 96, 83])  # whole 64s, a 32 tail, a ragged tail
+def test_bf16_dot_products_of_bf16_activations(ext: ModuleType, m: int, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    w = Weight(torch.randn(37, k, generator=g).bfloat16())
+    x = torch.randn(m, k, generator=g).bfloat16().float()  # bf16 values, as a bf16 model has
+    got = ops.linear(ext, x, [w], x_bf16=True, threads=2)
+    ref = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_rms_norm(ext: ModuleType) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(7, 96, generator=g)
