@@ -17,6 +17,7 @@ row whatever its sequence): :class:`~runtime.models.llama.LlamaModel` decides wh
 from __future__ import annotations
 
 import itertools
+import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,7 @@ class KernelStep:
 
     def __init__(self, ext: ModuleType, model: LlamaModel, weights: KernelWeights, kv_blocks: torch.Tensor):
         cfg = model.config
-        self.ext, self.model, self.w, self.kv_blocks = ext, model, weights, kv_blocks
+        self.ext, self.model, self.w = ext, model, weights
         self.kv = [KVLayout.of(kv_blocks, i) for i in range(cfg.num_layers)]
         self.capacity = 0
         self._grow(16)
@@ -161,7 +162,8 @@ class KernelPath:
         self.isa = ext.isa()  # the extension's choice is process-wide: each step re-applies ours
         self.quantized = any(t.dtype in (torch.int8, torch.uint8) for t in model.weights.values())
         self._weights: KernelWeights | None = None
-        self._steps: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], KernelStep] = {}
+        # Per KV tensor, held weakly: an engine's arena view must not outlive the engine here.
+        self._steps: dict[int, tuple[weakref.ref[torch.Tensor], KernelStep]] = {}
 
     @classmethod
     def create(cls, model: LlamaModel, choice: str | None) -> KernelPath | None:
@@ -176,11 +178,12 @@ class KernelPath:
         return self.quantized or n == len(batch.query_lens) or n <= self.prefill_tokens
 
     def step(self, kv_blocks: torch.Tensor) -> KernelStep:
-        key = (kv_blocks.data_ptr(), tuple(kv_blocks.shape), kv_blocks.stride(), kv_blocks.dtype)
-        step = self._steps.get(key)
-        if step is None:
+        entry = self._steps.get(id(kv_blocks))
+        if entry is None or entry[0]() is not kv_blocks:
+            self._steps = {k: v for k, v in self._steps.items() if v[0]() is not None}
             if self._weights is None:
                 self._weights = KernelWeights(self.model)
-            step = self._steps[key] = KernelStep(self.ext, self.model, self._weights, kv_blocks)
+            entry = (weakref.ref(kv_blocks), KernelStep(self.ext, self.model, self._weights, kv_blocks))
+            self._steps[id(kv_blocks)] = entry
         self.ext.set_isa(self.isa)
-        return step
+        return entry[1]

@@ -125,3 +125,20 @@ def test_engine_greedy_tokens_equal_the_torch_path(tiny_bf16: RegisteredModel, i
         eng = engine(tiny_bf16, choice, torch.bfloat16)
         outs.append([s.output_ids for s in eng.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+def test_a_kv_tensor_is_not_kept_alive_by_the_kernel_path() -> None:
+    import gc
+    import weakref
+
+    ref, cfg = hf_model("gqa")
+    config = LlamaConfig.from_hf(cfg)
+    model = LlamaModel(config, dict(ref.state_dict()))
+    assert model.cpu_kernels is not None
+    kv = torch.zeros(32, *config.kv_block_shape(BLOCK))
+    model.forward(make_batch([([5], 3, [2])]), kv)  # a decode step: the kernels bind this tensor
+    alive = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert alive() is None  # an engine's arena view dies with the engine
+    model.forward(make_batch([([5], 3, [2])]), torch.zeros(32, *config.kv_block_shape(BLOCK)))
