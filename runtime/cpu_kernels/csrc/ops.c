@@ -179,7 +179,7 @@ void ck_attention(const ck_isa *isa, int nthreads, const ck_attn *a, const float
     i64 work = 0;
     for (i64 i = 0; i < n; i++) work += ctx[i];
     int nt = nthreads < 1 ? 1 : nthreads;
-    if (work * heads < 4096) nt = 1;
+    if (work * heads < 512) nt = 1; /* ~30 us of work: below that a team costs more than it saves */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (i64 it = 0; it < items; it++) {
         i64 i = it / heads, h = it % heads;
