@@ -140,10 +140,14 @@ class LlamaModel:
     """Forward pass of a Llama-family model bound to a weight table (no copies)."""
 
     def __init__(
-        self, config: LlamaConfig, weights: dict[str, torch.Tensor], use_cuda_kernels: bool | None = None
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        use_cuda_kernels: bool | None = None,
+        cpu_kernels: str | None = None,
     ) -> None:
         self.config = config
-        w = weights
+        self.weights = w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
@@ -179,6 +183,11 @@ class LlamaModel:
         if use_cuda_kernels is None:
             use_cuda_kernels = importlib.util.find_spec("cupy") is not None
         self.cuda_kernels = self.embed.is_cuda and use_cuda_kernels
+        # On CPU, decode steps run through runtime._cpu_kernels (llama_decode) when it is built;
+        # cpu_kernels (default $EMBER_CPU_KERNELS): auto, avx512, generic or off.
+        from runtime.models.llama_decode import KernelPath
+
+        self.cpu_kernels = KernelPath.create(self, cpu_kernels)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
@@ -194,6 +203,8 @@ class LlamaModel:
                 batch.context_lens,
                 batch.block_tables.to(device),
             )
+        if self.cpu_kernels is not None and self.cpu_kernels.wants(batch):
+            return self.cpu_kernels.step(kv_blocks)(batch)
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]

@@ -1,0 +1,189 @@
+"""A Llama-family forward pass through the CPU kernels (``runtime._cpu_kernels``).
+
+Eager PyTorch spends more time dispatching a decode step's ~35 ops per layer than reading the
+weights; here every layer is nine calls into C with addresses prepared once per model and KV
+tensor, activations fp32 in scratch buffers that live as long as this object:
+
+    x    (N, E)            residual stream (rounded to the model dtype, as the torch path does)
+    h    (N, E)            normed input of attention / MLP
+    qkv  (N, (H+2Hkv)*D)   q | k | v side by side; RoPE in place on q | k
+    attn (N, H*D)          attention output, K/V read in place from the paged blocks
+    mlp  (N, I)            silu(gate) * up
+
+Any batch runs here (a prefill token attends to its own context prefix, so one token is one
+row whatever its sequence): :class:`~runtime.models.llama.LlamaModel` decides which steps do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.cpu_kernels import ops
+from runtime.cpu_kernels.ops import KVLayout, Weight
+
+if TYPE_CHECKING:
+    from runtime.models.llama import Batch, LlamaModel
+
+ROPE_CHUNK = 4096  # positions per growth of the cos/sin table
+# Prefills of at most this many new tokens run through the kernels too: measured on SmolLM2
+# bf16 (one thread), the kernels took 28/36/68 ms for 2/4/8 tokens against torch's 46/73/79,
+# and lost from 16 tokens on (133 vs 93 ms: oneDNN's bf16 GEMM beats fp32 FMAs once compute-bound).
+PREFILL_TOKENS = 8
+
+
+class KernelWeights:
+    """Descriptors of a model's weights (int64 tables the kernels read), built once per model."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        cfg, w = model.config, model.weights
+        self.round = int(model.dtype == torch.bfloat16)
+        # A bf16 model's linear inputs are bf16 values: bf16 weights may use bf16 dot products.
+        self.flags = ops.ROUND_BF16 | ops.X_BF16 if self.round else 0
+        self.norm_code = ops.float_code(model.dtype)
+        self.embed = ops.descriptors([Weight.from_table(w, "model.embed_tokens.weight")])
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.head = ops.descriptors([Weight.from_table(w, head)])
+        self.norm = model.norm.data_ptr()
+        self.layers: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            qkv = [
+                Weight.from_table(
+                    w, f"{a}{n}_proj.weight", f"{a}{n}_proj.bias" if cfg.attention_bias else None
+                )
+                for n in "qkv"
+            ]
+            mlp = [Weight.from_table(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            self.layers.append(
+                (
+                    w[p + "input_layernorm.weight"].data_ptr(),
+                    ops.descriptors(qkv),
+                    ops.descriptors([Weight.from_table(w, a + "o_proj.weight")]),
+                    w[p + "post_attention_layernorm.weight"].data_ptr(),
+                    ops.descriptors(mlp),
+                    ops.descriptors([Weight.from_table(w, p + "mlp.down_proj.weight")]),
+                )
+            )
+        self.cos, self.sin = ops.rope_table(model.inv_freq.cpu(), ROPE_CHUNK)
+
+    def rope_for(self, inv_freq: torch.Tensor, max_position: int) -> None:
+        """Grow the cos/sin table to cover ``max_position`` (rare: once per ROPE_CHUNK)."""
+        if max_position >= self.cos.shape[0]:
+            size = -(-(max_position + 1) // ROPE_CHUNK) * ROPE_CHUNK
+            self.cos, self.sin = ops.rope_table(inv_freq.cpu(), size)
+
+
+class KernelStep:
+    """One model's forward pass over one KV tensor, through the kernels."""
+
+    def __init__(self, ext: ModuleType, model: LlamaModel, weights: KernelWeights, kv_blocks: torch.Tensor):
+        cfg = model.config
+        self.ext, self.model, self.w = ext, model, weights
+        self.kv = [KVLayout.of(kv_blocks, i) for i in range(cfg.num_layers)]
+        self.capacity = 0
+        self._grow(16)
+
+    def _grow(self, tokens: int) -> None:
+        cfg = self.model.config
+        n = max(tokens, 2 * self.capacity)
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.x = torch.empty(n, cfg.hidden_size)
+        self.h = torch.empty(n, cfg.hidden_size)
+        self.qkv = torch.empty(n, qkv)
+        self.attn = torch.empty(n, cfg.num_heads * cfg.head_dim)
+        self.mlp = torch.empty(n, cfg.intermediate_size)
+        self.arange = torch.arange(n)
+        self.capacity = n
+
+    @torch.inference_mode()
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Logits (float32) of the last new token of each sequence: (B, vocab)."""
+        cfg, k, w = self.model.config, self.ext, self.w
+        n, bsz = int(batch.input_ids.shape[0]), len(batch.query_lens)
+        if n > self.capacity:
+            self._grow(n)
+        ids, positions, slots = batch.input_ids, batch.positions, batch.slots
+        tables = batch.block_tables.contiguous()
+        if n == bsz:  # decode: one row per sequence
+            rows, ctx = self.arange, torch.tensor(batch.context_lens)
+            last = 0
+        else:  # row j of sequence i sees its context up to itself
+            rows = torch.tensor([i for i, q in enumerate(batch.query_lens) for _ in range(q)])
+            ctx = positions + 1
+            last_rows = torch.tensor(list(itertools.accumulate(batch.query_lens))) - 1
+            last = last_rows.data_ptr()
+        w.rope_for(self.model.inv_freq, int(positions.max()))
+        threads = torch.get_num_threads()
+        e, d, h, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        inter, eps, rnd = cfg.intermediate_size, cfg.rms_norm_eps, w.round
+        qkv_w = (h + 2 * hkv) * d
+        x, hb, qkv, attn, mlp = (t.data_ptr() for t in (self.x, self.h, self.qkv, self.attn, self.mlp))
+        k_ptr, v_ptr = qkv + h * d * 4, qkv + (h + hkv) * d * 4
+        ids_p, pos_p, slot_p = ids.data_ptr(), positions.data_ptr(), slots.data_ptr()
+        tab_p, width, rows_p, ctx_p = tables.data_ptr(), tables.shape[1], rows.data_ptr(), ctx.data_ptr()
+        cos, sin, scale = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5
+        flags, flags_acc = w.flags, w.flags | ops.ACCUMULATE
+        k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
+        for (in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv in zip(w.layers, self.kv, strict=True):
+            k.rms_norm(x, e, 0, hb, e, in_norm, w.norm_code, n, e, eps, rnd)
+            k.linear(threads, qkv_d.data_ptr(), 3, hb, e, n, e, qkv, qkv_w, flags, 0)
+            k.rope(qkv, qkv_w, h + hkv, d, pos_p, n, cos, sin, rnd)
+            k.kv_write(
+                k_ptr, v_ptr, qkv_w, kv.address, kv.dtype, kv.block_stride, kv.block_size, hkv * d, slot_p, n
+            )
+            k.paged_decode_attention(
+                threads, qkv, qkv_w, kv.address, kv.dtype, kv.block_stride, kv.block_size, h, hkv, d,
+                tab_p, width, rows_p, ctx_p, n, attn, h * d, scale, rnd,
+            )  # fmt: skip
+            k.linear(threads, o_d.data_ptr(), 1, attn, h * d, n, h * d, x, e, flags_acc, 0)
+            k.rms_norm(x, e, 0, hb, e, post_norm, w.norm_code, n, e, eps, rnd)
+            k.linear(threads, mlp_d.data_ptr(), 2, hb, e, n, e, mlp, inter, flags, 1)
+            k.linear(threads, down_d.data_ptr(), 1, mlp, inter, n, inter, x, e, flags_acc, 0)
+        k.rms_norm(x, e, last, hb, e, w.norm, w.norm_code, bsz, e, eps, rnd)
+        logits = torch.empty(bsz, cfg.vocab_size)
+        k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, flags, 0)
+        return logits
+
+
+class KernelPath:
+    """Which steps of one model run through the kernels, and their prepared state.
+
+    Decode steps (every sequence has one new token) always do; so does every step of a model
+    with quantized weights (the torch path cannot read them); prefills of float models keep
+    torch (oneDNN) above ``prefill_tokens`` new tokens."""
+
+    def __init__(self, ext: ModuleType, model: LlamaModel, prefill_tokens: int = PREFILL_TOKENS) -> None:
+        self.ext, self.model, self.prefill_tokens = ext, model, prefill_tokens
+        self.isa = ext.isa()  # the extension's choice is process-wide: each step re-applies ours
+        self.quantized = any(t.dtype in (torch.int8, torch.uint8) for t in model.weights.values())
+        self._weights: KernelWeights | None = None
+        # Per KV tensor, held weakly: an engine's arena view must not outlive the engine here.
+        self._steps: dict[int, tuple[weakref.ref[torch.Tensor], KernelStep]] = {}
+
+    @classmethod
+    def create(cls, model: LlamaModel, choice: str | None) -> KernelPath | None:
+        """The kernel path of ``model``, or None where the torch path runs every step."""
+        if model.embed.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        ext = ops.load(choice)
+        return cls(ext, model) if ext is not None else None
+
+    def wants(self, batch: Batch) -> bool:
+        n = int(batch.input_ids.shape[0])
+        return self.quantized or n == len(batch.query_lens) or n <= self.prefill_tokens
+
+    def step(self, kv_blocks: torch.Tensor) -> KernelStep:
+        entry = self._steps.get(id(kv_blocks))
+        if entry is None or entry[0]() is not kv_blocks:
+            self._steps = {k: v for k, v in self._steps.items() if v[0]() is not None}
+            if self._weights is None:
+                self._weights = KernelWeights(self.model)
+            entry = (weakref.ref(kv_blocks), KernelStep(self.ext, self.model, self._weights, kv_blocks))
+            self._steps[id(kv_blocks)] = entry
+        self.ext.set_isa(self.isa)
+        return entry[1]

@@ -1,0 +1,239 @@
+"""Every CPU kernel against a torch reference, on both ISA paths (runtime.cpu_kernels.ops)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from runtime.cpu_kernels import ops
+from runtime.cpu_kernels.ops import CpuKernelError, Weight
+
+_EXT = ops.load("auto")
+HAS_AVX512 = _EXT is not None and _EXT.isa() == "avx512"
+pytestmark = pytest.mark.skipif(_EXT is None, reason="runtime._cpu_kernels is not built")
+ISAS = ["generic", "avx512"]
+
+
+@pytest.fixture(params=ISAS)
+def ext(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    if request.param == "avx512" and not HAS_AVX512:
+        pytest.skip("this CPU lacks AVX-512")
+    mod = ops.load(request.param)
+    assert mod is not None and mod.isa() == request.param
+    try:
+        yield mod
+    finally:
+        ops.load("auto")
+
+
+def quantize_q8_0(w: torch.Tensor) -> Weight:
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    scales = (g.abs().amax(-1) / 127).clamp_min(1e-8).half()
+    q = torch.round(g / scales.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return Weight(q, scales)
+
+
+def quantize_q4_1(w: torch.Tensor) -> Weight:
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(1e-8).half()
+    mins = lo.half()
+    q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(n, k // 2, 2)
+    return Weight((q[..., 0] | (q[..., 1] << 4)).contiguous(), scales, mins)
+
+
+def make_weight(kind: str, n: int, k: int, g: torch.Generator) -> Weight:
+    w = torch.randn(n, k, generator=g)
+    if kind == "f32":
+        return Weight(w)
+    if kind == "bf16":
+        return Weight(w.bfloat16())
+    return quantize_q8_0(w) if kind == "q8_0" else quantize_q4_1(w)
+
+
+KINDS = ["f32", "bf16", "q8_0", "q4_1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 4, 7, 64])
+def test_linear_matches_dequantized_reference(ext: ModuleType, kind: str, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    k = 96 if kind in ("q8_0", "q4_1") else 83  # float layouts: a K that is no multiple of 16
+    w = make_weight(kind, 37, k, g)  # out_features no multiple of 4 or 16
+    x = torch.randn(m, k, generator=g)
+    got = ops.linear(ext, x, [w], threads=2)
+    ref = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_qkv_bias_and_accumulate(ext: ModuleType, kind: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    ws = [make_weight(kind, n, 64, g) for n in (48, 16, 16)]
+    ws[1] = Weight(ws[1].data, ws[1].scales, ws[1].mins, torch.randn(16, generator=g))
+    x = torch.randn(7, 64, generator=g)
+    ref = torch.cat([x @ w.dequantize().T for w in ws], dim=1)
+    ref[:, 48:64] += ws[1].bias  # type: ignore[operator]
+    got = ops.linear(ext, x, ws, threads=2)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+    base = torch.randn(7, 80, generator=g)
+    acc = ops.linear(ext, x, ws, base.clone(), accumulate=True, threads=2)
+    torch.testing.assert_close(acc, base + ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swiglu_epilogue(ext: ModuleType, kind: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    gate, up = make_weight(kind, 50, 64, g), make_weight(kind, 50, 64, g)
+    x = torch.randn(5, 64, generator=g)
+    ref = F.silu(x @ gate.dequantize().T) * (x @ up.dequantize().T)
+    got = ops.linear(ext, x, [gate, up], swiglu=True, threads=2)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_bf16_rounding_matches_the_torch_path(ext: ModuleType) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    res = torch.randn(3, 40, generator=g).bfloat16()
+    got = ops.linear(ext, x.float(), [Weight(w)], res.float(), accumulate=True, round_bf16=True)
+    ref = res + F.linear(x, w)
+    assert got.bfloat16().float().equal(got)  # every value is a bf16
+    torch.testing.assert_close(got, ref.float(), rtol=1e-2, atol=1e-2)
+    a, b = F.linear(x, w).float(), F.linear(x, Weight(w).dequantize().bfloat16()).float()
+    assert (a - b).abs().max() == 0  # the reference itself is deterministic
+    gate, up = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    swi = ops.linear(ext, x.float(), [Weight(gate), Weight(up)], swiglu=True, round_bf16=True)
+    ref2 = F.silu(F.linear(x, gate)) * F.linear(x, up)
+    torch.testing.assert_close(swi, ref2.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("k", [64, 96, 83])  # whole 64s, a 32 tail, a ragged tail
+def test_bf16_dot_products_of_bf16_activations(ext: ModuleType, m: int, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    w = Weight(torch.randn(37, k, generator=g).bfloat16())
+    x = torch.randn(m, k, generator=g).bfloat16().float()  # bf16 values, as a bf16 model has
+    got = ops.linear(ext, x, [w], x_bf16=True, threads=2)
+    ref = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_rms_norm(ext: ModuleType) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 96, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(96, generator=g).to(dtype)
+        rnd = dtype == torch.bfloat16
+        xin = x.to(dtype)
+        ref = F.rms_norm(xin.float(), (96,), eps=1e-5).to(dtype) * w
+        got = ops.rms_norm(ext, xin.float(), w, 1e-5, round_bf16=rnd)
+        torch.testing.assert_close(got, ref.float(), rtol=1e-2 if rnd else 1e-5, atol=1e-2 if rnd else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_rotate_half(ext: ModuleType, dtype: torch.dtype) -> None:
+    from runtime.models.llama import _apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = ops.rope_table(inv, 300)
+    pos = torch.tensor([0, 5, 299, 17])
+    x = torch.randn(4, 3, 64, generator=g).to(dtype)
+    freqs = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    ref = _apply_rope(x, emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :])
+    got = x.float().contiguous()
+    ops.rope(ext, got, pos, cos, sin, round_bf16=dtype == torch.bfloat16)
+    assert torch.equal(got, ref.float())  # the same roundings in the same order: bit-exact
+    with pytest.raises(CpuKernelError, match="outside"):
+        ops.rope(ext, got, torch.tensor([0, 1, 2, 300]), cos, sin)
+
+
+def paged_cache(dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0) -> torch.Tensor:
+    """(NB, L=2, 2, BS=4, H_kv=2, D=64) with ``pad`` elements between blocks (a pool view)."""
+    inner = 2 * 2 * 4 * 2 * 64
+    flat = torch.randn(num_blocks * (inner + pad), generator=g).to(dtype)
+    return flat.as_strided(
+        (num_blocks, 2, 2, 4, 2, 64), (inner + pad, 2 * 4 * 2 * 64, 4 * 2 * 64, 128, 64, 1)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_lands_in_the_slot(ext: ModuleType, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    kv = paged_cache(dtype, g, pad=40)
+    before = kv.clone()
+    slots = torch.tensor([13, 2, 47])
+    k, v = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    ops.kv_write(ext, kv, 1, k, v, slots)
+    expect = before.clone()
+    expect[slots // 4, 1, 0, slots % 4] = k.to(dtype)
+    expect[slots // 4, 1, 1, slots % 4] = v.to(dtype)
+    assert torch.equal(kv, expect)
+
+
+def reference_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, table: list[int], ctx: int
+) -> torch.Tensor:
+    bs = kv.shape[3]
+    k = kv[table, layer, 0].reshape(-1, kv.shape[4], kv.shape[5])[:ctx].float()  # (T, Hkv, D)
+    v = kv[table, layer, 1].reshape(-1, kv.shape[4], kv.shape[5])[:ctx].float()
+    assert len(table) * bs >= ctx
+    o = F.scaled_dot_product_attention(
+        q[:, None].double(), k.transpose(0, 1).double(), v.transpose(0, 1).double(), enable_gqa=True
+    )  # (H, 1, D)
+    return o.reshape(-1).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
+def test_paged_attention_reads_blocks_in_place(ext: ModuleType, dtype: torch.dtype, heads: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    kv = paged_cache(dtype, g, pad=8)
+    kv[0].fill_(float("nan"))  # block 0 is in no table: stale bytes must not leak
+    tables = torch.tensor([[7, 3, 9, 1, 6], [2, 11, 5, 0, 0], [4, 0, 0, 0, 0]])  # out of order
+    ctx = torch.tensor([17, 9, 1, 10])  # end mid-block; the last row reuses sequence 1
+    rows = torch.tensor([0, 1, 2, 1])
+    q = torch.randn(4, heads, 64, generator=g)
+    got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
+    for i in range(4):
+        nb = -(-int(ctx[i]) // 4)
+        ref = reference_attention(q[i], kv, 1, tables[rows[i], :nb].tolist(), int(ctx[i]))
+        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows(ext: ModuleType, kind: str) -> None:
+    g = torch.Generator().manual_seed(8)
+    w = make_weight(kind, 20, 64, g)
+    ids = torch.tensor([3, 0, 19, 3])
+    assert torch.equal(ops.embedding(ext, w, ids), w.dequantize()[ids])
+
+
+def test_bad_inputs_fail_loudly() -> None:
+    assert _EXT is not None
+    with pytest.raises(CpuKernelError, match="EMBER_CPU_KERNELS"):
+        ops.load("fast")
+    with pytest.raises(ValueError, match=r"1\.\.3 weights"):
+        _EXT.linear(1, 0, 1, 0, 1, 1, 1, 0, 1, 0, 0)
+    with pytest.raises(TypeError, match="takes 11 arguments"):
+        _EXT.linear(1, 2, 3)
+    with pytest.raises(CpuKernelError, match="in_features % 32"):
+        Weight(torch.zeros(4, 40, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.float16))
+    assert ops.load("off") is None
+
+
+def test_one_openmp_runtime_is_mapped() -> None:
+    from pathlib import Path
+
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    libs = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(libs) == 1, libs

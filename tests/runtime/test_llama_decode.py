@@ -1,0 +1,144 @@
+"""The kernel-backed forward pass (runtime.models.llama_decode) against transformers and the torch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from runtime.cpu_kernels import ops
+from runtime.engine.build import PrivateKV, build_engine
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.models.llama import LlamaConfig, LlamaModel
+from runtime.registry import RegisteredModel, register
+from tests.runtime.cpu_kernels.test_ops import quantize_q4_1, quantize_q8_0
+from tests.runtime.test_llama import BLOCK, hf_model, make_batch
+from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+
+_EXT = ops.load("auto")
+HAS_AVX512 = _EXT is not None and _EXT.isa() == "avx512"
+pytestmark = pytest.mark.skipif(_EXT is None, reason="runtime._cpu_kernels is not built")
+
+
+@pytest.fixture(params=["generic", "avx512"])
+def isa(request: pytest.FixtureRequest) -> str:
+    if request.param == "avx512" and not HAS_AVX512:
+        pytest.skip("this CPU lacks AVX-512")
+    return str(request.param)
+
+
+def run_script(model: LlamaModel, kv: torch.Tensor, reference: Any) -> None:
+    """Prefill two sequences, decode both across block boundaries, then a chunk after a context."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(0, 97, (11,), generator=g).tolist()
+    b = torch.randint(0, 97, (6,), generator=g).tolist()
+    blocks_a, blocks_b = [7, 2, 9, 30, 11], [5, 1, 20]
+    logits = model.forward(make_batch([(a, 0, blocks_a), (b, 0, blocks_b)]), kv)
+    reference(logits[0], a)
+    reference(logits[1], b)
+    for step in range(6):
+        ta, tb = (step * 13) % 97, (step * 29 + 3) % 97
+        logits = model.forward(make_batch([([ta], len(a), blocks_a), ([tb], len(b), blocks_b)]), kv)
+        a.append(ta)
+        b.append(tb)
+        reference(logits[0], a)
+        reference(logits[1], b)
+    chunk = [3, 1, 4]
+    logits = model.forward(make_batch([(chunk, len(a), blocks_a)]), kv)
+    reference(logits[0], a + chunk)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2", "llama3"])
+def test_every_step_through_the_kernels_matches_transformers(kind: str, isa: str) -> None:
+    ref, cfg = hf_model(kind)
+    config = LlamaConfig.from_hf(cfg)
+    model = LlamaModel(config, dict(ref.state_dict()), cpu_kernels=isa)
+    assert model.cpu_kernels is not None
+    model.cpu_kernels.prefill_tokens = 1 << 30  # prefill and chunks too, not only decode
+    kv = torch.zeros(32, *config.kv_block_shape(BLOCK))
+
+    def reference(got: torch.Tensor, tokens: list[int]) -> None:
+        with torch.no_grad():
+            want = ref(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    run_script(model, kv, reference)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_1"])
+def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa: str) -> None:
+    ref, cfg = hf_model("gqa")
+    config = LlamaConfig.from_hf(cfg)
+    quantize = quantize_q8_0 if scheme == "q8_0" else quantize_q4_1
+    packed: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, t in ref.state_dict().items():
+        if t.dim() == 2 and ".layers." in name:  # the projections (runtime.quant's registration)
+            w = quantize(t)
+            packed[name], dense[name] = w.data, w.dequantize()
+            packed[name + ".scales"] = w.scales  # type: ignore[assignment]
+            if w.mins is not None:
+                packed[name + ".mins"] = w.mins
+        else:
+            packed[name] = dense[name] = t
+    model = LlamaModel(config, packed, cpu_kernels=isa)
+    torch_model = LlamaModel(config, dense, cpu_kernels="off")
+    kv, kv_ref = (torch.zeros(32, *config.kv_block_shape(BLOCK)) for _ in range(2))
+    steps: list[torch.Tensor] = []
+    run_script(model, kv, lambda got, _: steps.append(got))
+    it = iter(steps)
+    run_script(
+        torch_model, kv_ref, lambda want, _: torch.testing.assert_close(next(it), want, atol=1e-4, rtol=1e-4)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
+    root = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
+    return register(str(root / "tiny.gguf"), "bfloat16", home=root / "home")
+
+
+def engine(reg: RegisteredModel, choice: str, dtype: torch.dtype) -> Engine:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(reg.store_path).rglob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    model = LlamaModel(LlamaConfig.from_hf(reg.config), weights, cpu_kernels=choice)
+    tok = Tokenizer.from_file(str(reg.directory / "tokenizer.json"))
+    return build_engine(model, tok, {2}, PrivateKV(96), dtype, EngineConfig(BLOCK, 8, SchedulerConfig()))
+
+
+def test_engine_greedy_tokens_equal_the_torch_path(tiny_bf16: RegisteredModel, isa: str) -> None:
+    """bf16 weights and KV, a batch of prompts of different lengths: the same greedy tokens."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in (1, 5, 9, 3, 12)]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    outs = []
+    for choice in ("off", isa):
+        eng = engine(tiny_bf16, choice, torch.bfloat16)
+        outs.append([s.output_ids for s in eng.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+def test_a_kv_tensor_is_not_kept_alive_by_the_kernel_path() -> None:
+    import gc
+    import weakref
+
+    ref, cfg = hf_model("gqa")
+    config = LlamaConfig.from_hf(cfg)
+    model = LlamaModel(config, dict(ref.state_dict()))
+    assert model.cpu_kernels is not None
+    kv = torch.zeros(32, *config.kv_block_shape(BLOCK))
+    model.forward(make_batch([([5], 3, [2])]), kv)  # a decode step: the kernels bind this tensor
+    alive = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert alive() is None  # an engine's arena view dies with the engine
+    model.forward(make_batch([([5], 3, [2])]), torch.zeros(32, *config.kv_block_shape(BLOCK)))
