@@ -161,13 +161,17 @@ class LlamaServer:
                 self.proc.wait()
 
 
-def perplexity(bins: LlamaBins, gguf: Path, text: Path, ctx: int, threads: int) -> dict[str, Any]:
-    """llama-perplexity's final estimate over ``text`` in chunks of ``ctx`` tokens."""
+def perplexity(
+    bins: LlamaBins, gguf: Path, text: Path, ctx: int, chunks: int, threads: int
+) -> dict[str, Any]:
+    """llama-perplexity's final estimate over ``text`` in windows of ``ctx`` tokens, each
+    scored on its second half; the first ``chunks`` windows, or all with 0."""
     tool = bins.perplexity
     if tool is None:
         return {"skipped": "llama-perplexity was not built"}
     run = subprocess.run(
-        [str(tool), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads)],
+        [str(tool), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads)]
+        + (["--chunks", str(chunks)] if chunks else []),
         check=False,
         capture_output=True,
         text=True,

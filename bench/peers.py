@@ -242,13 +242,13 @@ def default_ppl_text() -> Path | None:
 
 
 def run_perplexity(
-    bins: llama_peer.LlamaBins, ggufs: dict[str, Path], text: Path | None, ctx: int
+    bins: llama_peer.LlamaBins, ggufs: dict[str, Path], text: Path | None, ctx: int, chunks: int
 ) -> dict[str, Any]:
     if text is None:
         return {"skipped": "no --ppl-text and no tests/runtime/data/*.txt"}
-    out: dict[str, Any] = {"text": str(text), "ctx": ctx}
+    out: dict[str, Any] = {"text": str(text), "ctx": ctx, "chunks": chunks or "all"}
     for qtype, path in ggufs.items():
-        out[qtype] = llama_peer.perplexity(bins, path, text, ctx, LLAMA_THREADS)
+        out[qtype] = llama_peer.perplexity(bins, path, text, ctx, chunks, LLAMA_THREADS)
     base = out.get("BF16", {}).get("ppl")
     for qtype in ("Q8_0", "Q4_1"):
         ppl = out.get(qtype, {}).get("ppl")
@@ -298,7 +298,8 @@ def main() -> None:
     p.add_argument("--llama-bin-dir", help=f"llama.cpp binaries (else ${llama_peer.BIN_ENV})")
     p.add_argument("--gguf-dir", help=f"BF16/Q8_0 GGUF cache (else ${llama_peer.GGUF_ENV}, else bin/../gguf)")
     p.add_argument("--ppl-text", type=Path, help="llama-perplexity text (default tests/runtime/data/*.txt)")
-    p.add_argument("--ppl-ctx", type=int, default=128, help="llama-perplexity chunk length in tokens (128)")
+    p.add_argument("--ppl-ctx", type=int, default=256, help="llama-perplexity window in tokens (256)")
+    p.add_argument("--ppl-chunks", type=int, default=0, help="llama-perplexity windows scored (0: all)")
     p.add_argument("--ttft-requests", type=int, default=10)
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--aggregate-runs", type=int, default=2)
@@ -311,6 +312,8 @@ def main() -> None:
     args = p.parse_args()
     if min(args.ttft_requests, args.decode_runs, args.aggregate_runs, args.starts, args.ppl_ctx) < 1:
         p.error("request counts and --ppl-ctx must be >= 1")
+    if args.ppl_chunks < 0:
+        p.error("--ppl-chunks must be >= 0")
     plan = Plan(
         ttft_requests=args.ttft_requests, decode_runs=args.decode_runs, aggregate_runs=args.aggregate_runs
     )
@@ -328,6 +331,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "bench": "peers",
         "model": SOURCE,
+        "llama_cpp_bin_dir": str(bins.directory),
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "loadavg_1m_start": loadavg(),
@@ -346,7 +350,7 @@ def main() -> None:
     out["ember"] = {e["dtype"]: e for e in ember}
     out["ratios_ember_over_llama_cpp"] = ratios(llama, ember)
     out["perplexity_llama_cpp"] = run_perplexity(
-        bins, ggufs, args.ppl_text or default_ppl_text(), args.ppl_ctx
+        bins, ggufs, args.ppl_text or default_ppl_text(), args.ppl_ctx, args.ppl_chunks
     )
     if args.keep_logs:
         out["logs"] = str(logs)
