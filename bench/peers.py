@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -73,6 +74,15 @@ EMBER_VARIANTS = (
 
 def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def under_load(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()`` with the 1-minute load average before and after it: other work on the
+    machine shows per server, not only for the whole run."""
+    before = loadavg()
+    out = measure()
+    out["loadavg_1m"] = [before, loadavg()]
+    return out
 
 
 # ----- llama.cpp ---------------------------------------------------------------------------------
@@ -344,9 +354,11 @@ def main() -> None:
     env = {"EMBER_ARENA": args.arena, "EMBER_PREWARM": str(args.prewarm)}
     llama: dict[str, Any] = {}
     for qtype, path in ggufs.items():
-        llama[qtype] = run_llama(bins, path, plan, args.starts, logs)
+        llama[qtype] = under_load(functools.partial(run_llama, bins, path, plan, args.starts, logs))
     out["llama_cpp"] = llama
-    ember = [run_ember(v, plan, args.starts, env, logs) for v in EMBER_VARIANTS]
+    ember = [
+        under_load(functools.partial(run_ember, v, plan, args.starts, env, logs)) for v in EMBER_VARIANTS
+    ]
     out["ember"] = {e["dtype"]: e for e in ember}
     out["ratios_ember_over_llama_cpp"] = ratios(llama, ember)
     out["perplexity_llama_cpp"] = run_perplexity(
