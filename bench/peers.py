@@ -256,7 +256,14 @@ def run_perplexity(
 ) -> dict[str, Any]:
     if text is None:
         return {"skipped": "no --ppl-text and no tests/runtime/data/*.txt"}
-    out: dict[str, Any] = {"text": str(text), "ctx": ctx, "chunks": chunks or "all"}
+    out: dict[str, Any] = {
+        "text": str(text),
+        "ctx": ctx,
+        "chunks": chunks or "all",
+        # The only source is the Q4_1 GGUF: BF16 holds its dequantized values, so Q4_1 matches
+        # BF16 by construction and Q8_0 measures requantization noise alone.
+        "note": "BF16 and Q8_0 are made from the Q4_1 GGUF",
+    }
     for qtype, path in ggufs.items():
         out[qtype] = llama_peer.perplexity(bins, path, text, ctx, chunks, LLAMA_THREADS)
     base = out.get("BF16", {}).get("ppl")
