@@ -12,6 +12,8 @@ other key is answered 400 as unrecognized, as OpenAI does. The same holds for th
 chat message. ``max_completion_tokens`` is ``max_tokens`` under its newer name (it wins when
 both are given). A request's ``max_tokens`` is clamped to the function's ``maxTokens``.
 ``stream_options.include_usage`` adds OpenAI's final usage chunk to a stream.
+``ignore_eos`` (a vLLM extension, also llama.cpp's) keeps decoding past the model's end-of-text
+token until ``max_tokens`` or a stop string: benchmarks use it to decode a fixed token count.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension (llama.cpp's server takes it too): decode past end-of-text, so a
+    # benchmark can ask every server for the same number of tokens.
+    ignore_eos: StrictBool = False
     # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
     # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache
     # changes latency, never tokens) and parallel_tool_calls (tools are refused above).
@@ -248,6 +253,7 @@ def sampling_params(
             stop=stop,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            ignore_eos=request.ignore_eos,
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runtime.openai_api import RequestError, parse_request
+from runtime.openai_api import RequestError, parse_request, sampling_params
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hello"}]}
 PROMPT: dict[str, Any] = {"prompt": "hello"}
@@ -112,3 +112,14 @@ def test_stream_options() -> None:
         parse_request({**streamed, "stream_options": {"chunk_size": 4}}, chat=True)
     with pytest.raises(RequestError, match=r"^stream_options\.include_usage:"):
         parse_request({**streamed, "stream_options": {"include_usage": "yes"}}, chat=True)
+
+
+def test_ignore_eos_reaches_the_sampler() -> None:
+    """vLLM's ``ignore_eos`` extension (benchmarks decode a fixed token count with it) was a 400."""
+    for body, chat in ((CHAT, True), (PROMPT, False)):
+        request = parse_request({**body, "ignore_eos": True, "max_tokens": 8}, chat)
+        assert sampling_params(request, prompt_len=4, max_context=64, default_max=32).ignore_eos
+        plain = parse_request(body, chat)
+        assert not sampling_params(plain, prompt_len=4, max_context=64, default_max=32).ignore_eos
+    with pytest.raises(RequestError, match=r"^ignore_eos:"):
+        parse_request({**CHAT, "ignore_eos": "yes"}, chat=True)

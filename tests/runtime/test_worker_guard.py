@@ -126,6 +126,17 @@ def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
         assert http.post("/v1/chat/completions", json={**CHAT, **harmless}).status_code == 200
 
 
+def test_ignore_eos_decodes_exactly_max_tokens(worker: tuple[str, str]) -> None:
+    """vLLM's ``ignore_eos`` over HTTP: the benchmark's fixed-length decode (it was a 400)."""
+    url, token = worker
+    with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
+        resp = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 24, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["completion_tokens"] == 24
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
 def test_max_completion_tokens_is_max_tokens_and_wins() -> None:
     both = parse_request({"prompt": "x", "max_tokens": 50, "max_completion_tokens": 3}, chat=False)
     assert both.max_tokens == 3
