@@ -199,8 +199,9 @@ def test_int8_carries_q8_0_and_quantizes_anything_else(q4_source: tuple[Path, Pa
 def test_engine_serves_a_quantized_model_from_the_pool(
     method: str, q4_source: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Pool views of int8/uint8/float16 planes run the torch fallback; greedy tokens equal a model
-    over the same weights dequantized up front (what the fallback computes per forward)."""
+    """Pool views of int8/uint8/float16 planes run the torch fallback (the CPU kernels off: their
+    q8_0/q4_1 products are checked against this fallback in tests/runtime/cpu_kernels); greedy
+    tokens equal a model over the same weights dequantized up front (what it computes per forward)."""
     src, home = q4_source
     reg = register(str(src), method, home=home)
     config = LlamaConfig.from_hf(reg.config)
@@ -212,7 +213,7 @@ def test_engine_serves_a_quantized_model_from_the_pool(
     try:
         with PoolClient(pool.socket_path) as client:
             table = client.acquire(reg.manifest())
-            model = LlamaModel(config, table)
+            model = LlamaModel(config, table, cpu_kernels="off")
             assert isinstance(model.layers[0].down, QuantWeight)
             engine = build_engine(
                 model,
@@ -232,7 +233,7 @@ def test_engine_serves_a_quantized_model_from_the_pool(
         w = bind_weight(plain, name)
         if isinstance(w, QuantWeight):
             dense[name] = dequantize(w, torch.bfloat16)
-    assert ours == greedy(LlamaModel(config, dense), prompt, len(ours))
+    assert ours == greedy(LlamaModel(config, dense, cpu_kernels="off"), prompt, len(ours))
 
 
 def greedy(model: LlamaModel, prompt: list[int], steps: int) -> list[int]:
