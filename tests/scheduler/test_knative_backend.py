@@ -289,8 +289,15 @@ def test_only_the_functions_own_older_configmaps_are_cleaned_up() -> None:
         configmap("smollm2-chat-code-nobody", None, uid="4"),
     ]
     # The newest older one stays: the previous revision may still start pods during a rollout.
-    assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID) == [("smollm2-chat-code-old", "2")]
-    assert sorted(stale_code(listed, None, FUNCTION_ID)) == [
+    assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID, previous=True) == [
+        ("smollm2-chat-code-old", "2")
+    ]
+    # Back to the default handler: the last code's revision may still start pods, so it stays.
+    assert sorted(stale_code(listed, None, FUNCTION_ID, previous=True)) == [
+        ("smollm2-chat-code-old", "2"),
+        ("smollm2-chat-code-prev", "5"),
+    ]
+    assert sorted(stale_code(listed, None, FUNCTION_ID, previous=False)) == [  # the function is deleted
         ("smollm2-chat-code-new", "1"),
         ("smollm2-chat-code-old", "2"),
         ("smollm2-chat-code-prev", "5"),
