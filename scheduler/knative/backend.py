@@ -36,11 +36,14 @@ import yaml
 from scheduler import cluster_keys
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.errors import KnativeError, ServiceConflict
+from scheduler.knative.handler_code import MAX_MODULE_BYTES
 from scheduler.knative.naming import token_secret_name
 from scheduler.knative.status import ServiceStatus
 from scheduler.spec import SpecError, load_yaml
 
-MAX_MANIFEST_BYTES = 1 << 20  # a manifest file read back (ours are ~2 KiB)
+# A manifest file read back: ours are ~2 KiB, but a handler ConfigMap's holds up to
+# MAX_MODULE_BYTES of source, which YAML may escape four bytes to one (control characters).
+MAX_MANIFEST_BYTES = 8 * MAX_MODULE_BYTES
 
 
 def owner_of(obj: Mapping[str, Any]) -> str | None:

@@ -176,7 +176,8 @@ class KubernetesBackend(BaseServiceBackend):
         self._apply_one(self._secret_ops(), secret, function_id, f"Secret {token_secret_name(name)}")
         self._apply_one(self._service_ops(), service, function_id, f"Service {name}")
         current = None if config_map is None else str(config_map["metadata"]["name"])
-        self._code.prune(function_id, keep=current)  # only once the Service no longer names them
+        # Only once the Service no longer names them (its previous revision still may).
+        self._code.prune(function_id, keep=current, previous=True)
 
     def _apply_one(self, ops: _Ops, desired: Mapping[str, Any], function_id: str, what: str) -> None:
         name = str(desired["metadata"]["name"])
@@ -212,7 +213,7 @@ class KubernetesBackend(BaseServiceBackend):
                 error = self._translate(exc, f"delete {what}")
                 if getattr(exc, "status", None) != 404:  # gone meanwhile: what was asked
                     raise error from None
-        return self._code.prune(function_id, keep=None) or found
+        return self._code.prune(function_id, keep=None, previous=False) or found
 
     def status(self, service: str) -> ServiceStatus:
         existing = self._get(self._service_ops(), service, f"Service {service}")

@@ -48,11 +48,12 @@ def plan_code(existing: Mapping[str, Any] | None, desired: Mapping[str, Any], fu
 
 
 def stale_code(
-    items: Sequence[Mapping[str, Any]], keep: str | None, function_id: str
+    items: Sequence[Mapping[str, Any]], keep: str | None, function_id: str, previous: bool
 ) -> list[tuple[str, str]]:
     """``(name, uid)`` of the listed ConfigMaps to delete: ``function_id``'s own but ``keep``
-    and, when ``keep`` is given, the newest other one (by ``creationTimestamp``): the previous
-    revision may still start pods while the new one rolls out, and they mount their code."""
+    and, with ``previous`` (an apply, not a delete), the newest other one (by
+    ``creationTimestamp``): the previous revision may still start pods while the new one rolls
+    out, and they mount their code; so too when the new revision has the default handler."""
     owned = []
     for item in items:
         metadata = item.get("metadata") or {}
@@ -60,7 +61,7 @@ def stale_code(
         if name != keep and isinstance(name, str) and isinstance(uid, str) and owner_of(item) == function_id:
             owned.append((str(metadata.get("creationTimestamp") or ""), name, uid))
     owned.sort(reverse=True)  # RFC 3339 UTC timestamps sort as text; newest first
-    return [(name, uid) for _, name, uid in owned[1 if keep is not None else 0 :]]
+    return [(name, uid) for _, name, uid in owned[1 if previous else 0 :]]
 
 
 class CodeMaps:
@@ -107,8 +108,9 @@ class CodeMaps:
         found = self._as_dict(obj)
         return dict(found) if isinstance(found, Mapping) else None
 
-    def prune(self, function_id: str, keep: str | None) -> bool:
-        """Delete ``function_id``'s handler ConfigMaps but ``keep``; whether any was deleted."""
+    def prune(self, function_id: str, keep: str | None, previous: bool) -> bool:
+        """Delete ``function_id``'s handler ConfigMaps but ``keep`` (and, with ``previous``, the
+        newest other one: see :func:`stale_code`); whether any was deleted."""
         try:
             selector = code_selector(function_id)
             page = self._core.list_namespaced_config_map(
@@ -119,7 +121,7 @@ class CodeMaps:
             raise self._translate(exc, f"list the ConfigMaps of {function_id}") from None
         items = (listed.get("items") or []) if isinstance(listed, Mapping) else []
         deleted = False
-        for name, uid in stale_code(items, keep, function_id):
+        for name, uid in stale_code(items, keep, function_id, previous):
             try:
                 self._core.delete_namespaced_config_map(
                     name, self._namespace, body=self._only(uid), _request_timeout=self._timeout

@@ -26,7 +26,7 @@ from scheduler.knative.backend import DirectoryBackend, make_backend
 from scheduler.knative.config import KnativeConfig
 from scheduler.knative.deployments import KnativeDeployments
 from scheduler.knative.errors import KnativeError, KnativeUnavailable, ServiceConflict
-from scheduler.knative.handler_code import HandlerCode
+from scheduler.knative.handler_code import MAX_MODULE_BYTES, HandlerCode
 from scheduler.knative.kube import KubernetesBackend, api_error, plan
 from scheduler.knative.kube_code import code_selector, plan_code, stale_code
 from scheduler.knative.render import render_record
@@ -193,7 +193,7 @@ def test_the_directory_backend_leaves_other_owners_files_alone(tmp_path: Path) -
         deployments.remove("team/chat")
     assert yaml.safe_load(path.read_text()) == theirs
     assert not backend.paths("team--chat")[1].exists()  # no Secret written either
-    path.write_bytes(b"x" * (2 << 20))
+    path.write_bytes(b"x" * (8 * MAX_MODULE_BYTES + 1))
     with pytest.raises(KnativeError, match="larger than"):
         deployments.apply(record(name="chat", namespace="team"))
 
@@ -249,6 +249,17 @@ def test_the_directory_backend_keeps_the_current_and_previous_code_and_drops_the
     assert not list((tmp_path / "manifests").glob("smollm2-chat.*"))
 
 
+def test_the_largest_module_yaml_escapes_most_is_read_back(tmp_path: Path) -> None:
+    # A control character is 4 bytes of YAML: the file must not pass the bound on reading back,
+    # or the function could be neither redeployed nor removed.
+    source = HELLO + "#" + "\x01" * (MAX_MODULE_BYTES - len(HELLO) - 1)
+    config = KnativeConfig(apply_dir=tmp_path / "manifests")
+    deployments = KnativeDeployments(config, TOKENS, make_backend(config), lambda _: custom(source)[1])
+    deployments.apply(custom(source)[0])
+    deployments.apply(custom(source)[0])
+    assert deployments.remove(FUNCTION_ID) is True
+
+
 def test_a_custom_handler_without_a_code_reader_is_a_spec_error(tmp_path: Path) -> None:
     deployments, _ = directory(tmp_path)
     deployments.check(custom()[0])  # before the module is stored: its names only
@@ -289,8 +300,15 @@ def test_only_the_functions_own_older_configmaps_are_cleaned_up() -> None:
         configmap("smollm2-chat-code-nobody", None, uid="4"),
     ]
     # The newest older one stays: the previous revision may still start pods during a rollout.
-    assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID) == [("smollm2-chat-code-old", "2")]
-    assert sorted(stale_code(listed, None, FUNCTION_ID)) == [
+    assert stale_code(listed, "smollm2-chat-code-new", FUNCTION_ID, previous=True) == [
+        ("smollm2-chat-code-old", "2")
+    ]
+    # Back to the default handler: the last code's revision may still start pods, so it stays.
+    assert sorted(stale_code(listed, None, FUNCTION_ID, previous=True)) == [
+        ("smollm2-chat-code-old", "2"),
+        ("smollm2-chat-code-prev", "5"),
+    ]
+    assert sorted(stale_code(listed, None, FUNCTION_ID, previous=False)) == [  # the function is deleted
         ("smollm2-chat-code-new", "1"),
         ("smollm2-chat-code-old", "2"),
         ("smollm2-chat-code-prev", "5"),
