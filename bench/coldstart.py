@@ -43,11 +43,10 @@ import itertools
 import json
 import os
 import re
-import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from typing import Any
 import httpx
 
 from bench.baseline_transformers import measure
+from bench.openai_stream import http_client, pct
 from gateway.spawn import ServeProcess
 from gpu_pool.client import PoolClient
 from runtime.server_timing import duration_ms
@@ -78,20 +78,6 @@ BREAKDOWN = {
     "prefill_to_first_token": "client TTFT - gateway_to_first_byte: prefill, first token, relay to client",
 }
 _METRIC = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def http_client(timeout: float = 300.0) -> httpx.Client:
-    """A client whose sockets set ``TCP_NODELAY``, so the client's own Nagle stays out of the figures."""
-    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-    return httpx.Client(
-        transport=httpx.HTTPTransport(socket_options=nodelay), timeout=httpx.Timeout(timeout, connect=10.0)
-    )
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..1) of a non-empty sequence."""
-    ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
 
 
 def ms(seconds: float) -> float:

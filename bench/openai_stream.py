@@ -28,6 +28,7 @@ MAX_EVENTS = 100_000  # SSE lines read per stream at most (128-token streams sen
 
 
 def http_client(timeout: float = 300.0) -> httpx.Client:
+    """A client whose sockets set ``TCP_NODELAY``, so the client's own Nagle stays out of the figures."""
     nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     return httpx.Client(
         transport=httpx.HTTPTransport(socket_options=nodelay), timeout=httpx.Timeout(timeout, connect=10.0)
