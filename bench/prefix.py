@@ -160,8 +160,16 @@ def run_engine(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
         sock = str(home / "pool.sock")
         env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        with running_pool(sock, args.arena, env=env, store_roots=(models_dir(home),)):
-            with PoolClient(sock) as client:
+        with running_pool(sock, args.arena, env=env, store_roots=(models_dir(home),)) as pool:
+
+            def instance_session() -> PoolClient:
+                """A session as the agent opens one for an instance: a ticket scoped to the function
+                (a managed pool shares prefix KV within one function only)."""
+                with PoolClient(sock, admin_token=pool.admin_token) as admin:
+                    ticket = admin.grant(1 << 30, prefix_scope="default/prefix-bench")
+                return PoolClient(sock, ticket=ticket)
+
+            with instance_session() as client:
                 binding = bind(template, client, 16)
                 for _ in range(2):  # first prefills of these shapes (oneDNN primitives)
                     ttft(binding, fresh(), next(questions))
@@ -179,7 +187,7 @@ def run_engine(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 if not hit:
                     published.append(fresh())
                 t0 = time.perf_counter()
-                with PoolClient(sock) as client:  # a new instance; the last one ended
+                with instance_session() as client:  # a new instance; the last one ended
                     binding = bind(template, client, 16)
                     bind_ms.append((time.perf_counter() - t0) * 1e3)
                     sample = ttft(binding, published[-1], next(questions), t0)
