@@ -54,7 +54,7 @@ from typing import Any
 import httpx
 
 from bench.baseline_transformers import measure
-from bench.openai_stream import http_client, pct
+from bench.openai_stream import http_client, pct, sse_chunks
 from gateway.spawn import ServeProcess
 from gpu_pool.client import PoolClient
 from runtime.server_timing import duration_ms
@@ -127,15 +127,7 @@ class Bench:
                 if r.status_code != 200:
                     r.read()
                     raise RuntimeError(f"chat request failed: HTTP {r.status_code}: {r.text[:500]}")
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise RuntimeError(f"the stream failed: {chunk['error']}")
+                for chunk in sse_chunks(r, "chat request"):
                     content = (chunk["choices"][0].get("delta") or {}).get("content")
                     if content:
                         if ttft is None:

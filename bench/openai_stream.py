@@ -17,7 +17,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,23 @@ def _body(target: Target, max_tokens: int, ignore_eos: bool) -> bytes:
     return json.dumps(body).encode()
 
 
+def sse_chunks(response: httpx.Response, where: str) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI SSE stream up to ``[DONE]`` (at most ``MAX_EVENTS`` lines);
+    RuntimeError on an error chunk."""
+    for n, line in enumerate(response.iter_lines()):
+        if n >= MAX_EVENTS:
+            raise RuntimeError(f"{where}: more than {MAX_EVENTS} SSE lines")
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"{where}: the stream failed: {chunk['error']}")
+        yield chunk
+
+
 def stream_chat(
     target: Target, max_tokens: int, ignore_eos: bool = True, t0: float | None = None
 ) -> Streamed:
@@ -100,17 +117,7 @@ def stream_chat(
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"{target.url}: HTTP {r.status_code}: {r.text[:500]}")
-            for n, line in enumerate(r.iter_lines()):
-                if n >= MAX_EVENTS:
-                    raise RuntimeError(f"{target.url}: more than {MAX_EVENTS} SSE lines")
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"{target.url}: the stream failed: {chunk['error']}")
+            for chunk in sse_chunks(r, target.url):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or [{}]
