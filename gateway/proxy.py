@@ -38,7 +38,7 @@ from gateway.metrics import Metrics
 from scheduler.errors import FunctionNotFound, SchedulerError
 from scheduler.records import FunctionRecord
 from scheduler.router import Route
-from scheduler.state import ClusterState
+from scheduler.state import ClusterState, on_loop
 
 WORKER_TOKEN_HEADER = "x-ember-worker-token"  # runtime.worker_guard.TOKEN_HEADER
 POOL_KEEP_ALIVE_S = 30.0  # idle pooled connections: below the worker's keep-alive (75 s)
@@ -106,7 +106,7 @@ class Invoker:
         hit = self._records.get(name)
         if hit is not None and now - hit[0] < self.config.record_ttl_s:
             return hit[1]
-        record = await asyncio.to_thread(self.state.function, name)
+        record = await on_loop(lambda retry: self.state.function(name, retry))
         self._records[name] = (now, record)
         return record
 

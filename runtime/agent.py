@@ -31,7 +31,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,8 @@ class NodeAgent:
         self._instances: dict[str, WorkerHandle] = {}
         self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
+        self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
+        self._tasks: set[asyncio.Task[None]] = set()  # background rounds (kept referenced)
 
     @property
     def pools(self) -> dict[str, Any]:
@@ -123,8 +125,16 @@ class NodeAgent:
         self._workers.fill()
         self._pools.supervise(self._pool_died, self._pool_restarted)
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def close(self) -> None:
         """Stop every worker (those still starting too) and pool."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._pools.stop_supervising()
         instances, self._instances = list(self._instances.values()), {}
         await asyncio.gather(
@@ -165,13 +175,14 @@ class NodeAgent:
         self._workers.adopt(model["dir"])
         drain_s = self.config.drain_timeout_s
         body: str | None = None
+        threads = self._new_instance_threads() if device == "cpu" else None
         for attempt in range(self.config.prewarm + 1):
             worker = await self._workers.take()
             # Replenish while this one serves.
             self._workers.spawn_in_background(self.config.replenish_delay_s)
             if body is None:  # once a worker is there (a start that backs off fails first)
                 try:
-                    body = await self._assign_body(instance_id, spec, model, device, deadline)
+                    body = await self._assign_body(instance_id, spec, model, device, deadline, threads)
                 except BaseException:
                     self._workers.put_back(worker)  # unused: the next launch takes it
                     raise
@@ -207,8 +218,11 @@ class NodeAgent:
         os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
         worker.log_path = log_path
         worker.device = device
+        worker.threads = threads
         self._instances[instance_id] = worker
-        await self._share_cores()
+        # The others' share shrank: told in the background, off this start's path (each
+        # instance applies it between two engine steps).
+        self._spawn(self._share_cores())
         timings = {k: round(float(v), 3) for k, v in reply.timings_ms.items()}
         log.info(
             "instance %s of %s started in worker %d: %s ms, %d bytes loaded",
@@ -220,8 +234,20 @@ class NodeAgent:
         )
         return InstanceStart(worker.url, worker.pid, reply.acquire, timings, str(log_path), worker.token)
 
+    def _new_instance_threads(self) -> int:
+        """The intra-op threads of an instance about to start on the CPU device (its share
+        with the instances already there: :meth:`runtime.cpu_share.CpuShare.share`)."""
+        running = sum(1 for w in self._instances.values() if w.running and w.device == "cpu")
+        return self._cpu_share.share(running + 1)
+
     async def _assign_body(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device: str,
+        deadline: float,
+        threads: int | None,
     ) -> str:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
         concurrency = int(spec["spec"]["scaling"]["concurrency"])
@@ -231,7 +257,7 @@ class NodeAgent:
         ticket = await asyncio.to_thread(self._grant, device, quota, scope)
         try:
             message = AssignMessage(
-                instance_id, spec, model["dir"], self.pools[device].socket_path, ticket, deadline
+                instance_id, spec, model["dir"], self.pools[device].socket_path, ticket, deadline, threads
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {instance_id}: {exc}") from None
@@ -287,21 +313,24 @@ class NodeAgent:
         """Give each CPU instance its share of intra-op threads (:mod:`runtime.cpu_share`: the
         cores others leave, split among instances); ``measure``: take a CPU sample first (the
         periodic report), else reuse the last decision (an instance started or ended)."""
-        workers = [w for w in self._instances.values() if w.running and w.device == "cpu"]
-        per = self._cpu_share.decide(
-            time.monotonic(), [w.pid for w in workers], self._workers.idle_pids(), measure
-        )
-        if per is None:
-            return
-        for w in workers:
-            if w.threads == per:
-                continue
-            with contextlib.suppress(httpx.HTTPError):
-                resp = await w.post(self._http, "threads", ThreadsMessage(per).to_json(), timeout=5.0)
-                if resp.status_code == 200:
-                    if w.threads is not None:
-                        log.info("instance worker %d: %d intra-op threads (was %d)", w.pid, per, w.threads)
-                    w.threads = per
+        async with self._sharing:
+            workers = [w for w in self._instances.values() if w.running and w.device == "cpu"]
+            per = self._cpu_share.decide(
+                time.monotonic(), [w.pid for w in workers], self._workers.idle_pids(), measure
+            )
+            if per is None:
+                return
+            for w in workers:
+                if w.threads == per:
+                    continue
+                with contextlib.suppress(httpx.HTTPError):
+                    resp = await w.post(self._http, "threads", ThreadsMessage(per).to_json(), timeout=5.0)
+                    if resp.status_code == 200:
+                        if w.threads is not None:
+                            log.info(
+                                "instance worker %d: %d intra-op threads (was %d)", w.pid, per, w.threads
+                            )
+                        w.threads = per
 
     def alive(self, instance_id: str) -> bool:
         """Whether this agent runs ``instance_id`` and its process lives."""

@@ -71,6 +71,17 @@ class CpuShare:
         if self.cores < 1 or self.max_threads < 1:
             raise ValueError("cores and max_threads must be >= 1")
 
+    def share(self, num_instances: int) -> int:
+        """Threads per instance decided last for ``num_instances`` instances (an even split of
+        the cores until a sample decided otherwise), without a sample: what a starting
+        instance is told in its assignment."""
+        if num_instances < 1:
+            raise ValueError("num_instances must be >= 1")
+        return self.current.get(num_instances, self._baseline(num_instances))
+
+    def _baseline(self, num_instances: int) -> int:
+        return max(1, min(self.max_threads, self.cores // num_instances))
+
     def decide(
         self, now: float, instance_pids: Iterable[int], idle_pids: Iterable[int] = (), measure: bool = True
     ) -> int | None:
@@ -83,9 +94,9 @@ class CpuShare:
         if not pids:
             self._last, self._pending = None, None
             return None
-        baseline = max(1, min(self.max_threads, self.cores // len(pids)))
+        baseline = self._baseline(len(pids))
         if not measure:
-            return self.current.get(len(pids), baseline)
+            return self.share(len(pids))
         busy = self.read_busy()
         if busy is None:  # no /proc
             return baseline

@@ -65,9 +65,16 @@ class AssignMessage:
     pool_socket: str  # the device's pool daemon
     pool_ticket: str | None  # single-use pool ticket carrying the instance's KV quota
     deadline: float  # epoch seconds: the handler's initializer must finish by then
+    # Intra-op threads the instance starts with (the agent's share of a CPU device's cores,
+    # runtime.cpu_share); None: keep the worker's. Told here, the first request already runs
+    # with them instead of waiting for a /_ember/threads call after the start.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _text(self.instance_id, "instance_id")
+        n = self.num_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
+            raise MessageError(f"num_threads must be null or a positive integer (at most {MAX_THREADS})")
         _text(self.model_dir, "model_dir")
         _text(self.pool_socket, "pool_socket")
         if self.pool_ticket is not None:
@@ -101,7 +108,7 @@ class AssignMessage:
     def from_json(cls, raw: bytes | str) -> AssignMessage:
         """The message in ``raw``; :class:`MessageError` if it is not one."""
         fields = frozenset(cls.__dataclass_fields__)
-        data = _object(raw, fields, fields)
+        data = _object(raw, fields, fields - {"num_threads"})
         return cls(**data)
 
 

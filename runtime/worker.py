@@ -51,6 +51,7 @@ from runtime.openai_api import (
     sse_event,
 )
 from runtime.process import set_idle_priority
+from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
@@ -142,6 +143,10 @@ async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
     await state.sandbox.confine(spec)
     t_sandbox = time.perf_counter()
     set_idle_priority(False)
+    if message.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(message.num_threads)  # on the event loop's thread, which steps the engine
     template = state.templates.get(message.model_dir)
     if template is None:
         template = await asyncio.to_thread(state.template, message.model_dir)
@@ -208,6 +213,8 @@ def build_app(state: WorkerState) -> FastAPI:
         a = state.assignment
         if a is None:
             return {"status": "ok", "state": "idle", "templates": sorted(state.templates)}
+        import torch
+
         model = a.binding.template.model.model_id
         return {
             "status": "ok",
@@ -215,6 +222,7 @@ def build_app(state: WorkerState) -> FastAPI:
             "function": a.name,
             "instance_id": a.instance_id,
             "model": model,
+            "num_threads": torch.get_num_threads(),  # intra-op threads (the agent's share of the cores)
         }
 
     @app.post("/_ember/preload")
@@ -390,6 +398,7 @@ def serve(
 
     async def main() -> None:
         state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
+        await rehearse()  # the request path's lazy imports, off the cold path
         if assignment is not None:
             await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -22,7 +22,7 @@ from scheduler.errors import SchedulerError, StartFailed, StateConflict
 from scheduler.launcher import BaseLauncher, StartedInstance
 from scheduler.policies import DeviceState, ModelDemand, place
 from scheduler.records import FunctionRecord
-from scheduler.state import ClusterState
+from scheduler.state import ClusterState, on_loop
 
 log = logging.getLogger("ember.scheduler")
 
@@ -69,7 +69,7 @@ class ColdStarter:
         model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
-        reports = await asyncio.to_thread(self.state.device_reports)
+        reports = await on_loop(self.state.device_reports)
         devices = []
         for device_id in self.launcher.devices():
             r = reports.get(device_id)
@@ -119,12 +119,14 @@ class ColdStarter:
             return
         start_ms = (time.perf_counter() - t0) * 1e3
         try:
-            await asyncio.to_thread(
-                self.state.transition, instance_id, "starting", "ready",
-                url=started.url, token=started.token, deadline=time.time() + keep_alive, pid=started.pid,
-                bytes_loaded=started.bytes_loaded, bytes_reused=started.bytes_reused,
-                start_ms=round(start_ms, 3), log=started.log_path,
-            )  # fmt: skip
+            fields: dict[str, str | int | float] = {
+                "url": started.url, "token": started.token, "deadline": time.time() + keep_alive,
+                "pid": started.pid, "bytes_loaded": started.bytes_loaded,
+                "bytes_reused": started.bytes_reused, "start_ms": round(start_ms, 3), "log": started.log_path,
+            }  # fmt: skip
+            await on_loop(
+                lambda retry: self.state.transition_with(instance_id, "starting", "ready", fields, retry)
+            )
         except StateConflict:  # deleted while starting
             await self.launcher.stop(instance_id)
             return

@@ -46,7 +46,7 @@ from scheduler.launcher import BaseLauncher, StartedInstance
 from scheduler.leases import Leases
 from scheduler.policies import desired_instances, should_reject
 from scheduler.records import FunctionRecord, Instance
-from scheduler.state import ClusterState
+from scheduler.state import ClusterState, on_loop
 
 __all__ = ["Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
 
@@ -125,7 +125,7 @@ class Router:
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
+                hit = await on_loop(lambda retry: self.state.acquire_slot(name, concurrency, retry))
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
                 failed = self.starter.failure(name)
@@ -193,7 +193,7 @@ class Router:
 
     async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> None:
         scaling = record.scaling
-        instances = await asyncio.to_thread(self.state.instances, name)
+        instances = await on_loop(lambda retry: self.state.instances(name, retry))
         live = [i for i in instances if i.state in ("starting", "ready")]
         in_flight = sum(i.in_flight for i in live)
         want = desired_instances(
@@ -220,7 +220,7 @@ class Router:
             raise Rejected(
                 f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
             )
-        instance_id = await asyncio.to_thread(self.state.scale_up, name, want, device)
+        instance_id = await on_loop(lambda retry: self.state.scale_up(name, want, device, retry=retry))
         if instance_id is not None:
             self._spawn(self.starter.start(instance_id, name, record, device, deadline))
 

@@ -20,6 +20,7 @@ Records are decoded once, here, into the typed values of :mod:`scheduler.records
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -265,9 +266,10 @@ class ClusterState:
                 "delete one before deploying another"
             )
 
-    def function(self, name: str) -> FunctionRecord:
-        """The function's record (:class:`FunctionNotFound` if it is not deployed)."""
-        raw = self._call(lambda: self.r.hget(f"{self.p}functions", name))
+    def function(self, name: str, retry: bool = True) -> FunctionRecord:
+        """The function's record (:class:`FunctionNotFound` if it is not deployed); ``retry``:
+        see :meth:`_once_or_retry`."""
+        raw = self._once_or_retry(lambda: self.r.hget(f"{self.p}functions", name), retry)
         if raw is None:
             raise FunctionNotFound(f"function {name!r} is not deployed")
         return FunctionRecord.decode(name, raw)
@@ -302,14 +304,20 @@ class ClusterState:
     # ----- instances ---------------------------------------------------------------------
 
     def scale_up(
-        self, function: str, desired: int, device: str, now: float | None = None, ttl_s: float | None = None
+        self,
+        function: str,
+        desired: int,
+        device: str,
+        now: float | None = None,
+        ttl_s: float | None = None,
+        retry: bool = True,
     ) -> str | None:
         """Start one instance if fewer than ``desired`` are live; its id, or None. With
         ``ttl_s`` the record expires unless :meth:`refresh_instance` renews it."""
         keys = [f"{self.p}fn:{function}:instances", f"{self.p}instance_seq"]
         when = now if now is not None else time.time()
         args: list[Any] = [desired, function, device, when, self.p, 0 if ttl_s is None else _ttl_ms(ttl_s)]
-        result = self._call(lambda: self._scale_up(keys=keys, args=args))
+        result = self._once_or_retry(lambda: self._scale_up(keys=keys, args=args), retry)
         return str(result) if result else None
 
     def add_instance(
@@ -341,6 +349,18 @@ class ClusterState:
         Becoming ``ready`` needs a ``deadline`` (now + keep-alive): an instance that never
         serves must still expire, but not the moment it is ready.
         """
+        self.transition_with(instance_id, from_state, to_state, fields)
+
+    def transition_with(
+        self,
+        instance_id: str,
+        from_state: str,
+        to_state: str,
+        fields: Mapping[str, str | int | float],
+        retry: bool = True,
+    ) -> None:
+        """:meth:`transition` with the record's new ``fields`` as a mapping; ``retry``: see
+        :meth:`_once_or_retry`."""
         if to_state not in STATES:
             raise ValueError(f"unknown state {to_state!r}")
         if to_state == "ready" and "deadline" not in fields:
@@ -348,13 +368,16 @@ class ClusterState:
         args: list[Any] = [from_state, to_state]
         for k, v in fields.items():
             args += [k, v]
-        ok = self._call(lambda: self._transition(keys=[f"{self.p}instance:{instance_id}"], args=args))
+        ok = self._once_or_retry(
+            lambda: self._transition(keys=[f"{self.p}instance:{instance_id}"], args=args), retry
+        )
         if not ok:
             raise StateConflict(f"instance {instance_id} is not {from_state}")
 
     def _once_or_retry(self, fn: Callable[[], _T], retry: bool) -> _T:
         """``fn`` with retries, or (``retry=False``) one attempt: the gateway's event-loop fast
-        path must not sit in a retry loop; it falls back to a retrying call in a thread."""
+        path must not sit in a retry loop; it falls back to a retrying call in a thread
+        (:func:`on_loop`)."""
         if retry:
             return self._call(fn)
         try:
@@ -400,17 +423,18 @@ class ClusterState:
         ids = self._call(lambda: self._expire(keys=keys, args=args))
         return [str(i) for i in ids]
 
-    def instances(self, function: str) -> list[Instance]:
-        ids = self._call(lambda: self.r.smembers(f"{self.p}fn:{function}:instances"))
+    def instances(self, function: str, retry: bool = True) -> list[Instance]:
+        """The function's instance records (ordered by id); expired ones are pruned."""
+        ids = self._once_or_retry(lambda: self.r.smembers(f"{self.p}fn:{function}:instances"), retry)
         out = []
         for i in sorted(ids, key=int):
             key = f"{self.p}instance:{i}"
-            h: dict[str, str] = self._call(functools.partial(self.r.hgetall, key))
+            h: dict[str, str] = self._once_or_retry(functools.partial(self.r.hgetall, key), retry)
             if h:
                 out.append(Instance.decode(str(i), h))
             else:  # expired (a pod killed outright) or forgotten since SMEMBERS
                 keys = [key, f"{self.p}fn:{function}:instances"]
-                self._call(functools.partial(self._prune, keys=keys, args=[i]))
+                self._once_or_retry(functools.partial(self._prune, keys=keys, args=[i]), retry)
         return out
 
     def forget_instance(self, function: str, instance_id: str) -> None:
@@ -431,10 +455,11 @@ class ClusterState:
         value = json.dumps(DeviceReport.encode(report))
         self._call(lambda: self.r.set(f"{self.p}device:{device_id}", value))
 
-    def device_reports(self) -> dict[str, DeviceReport]:
+    def device_reports(self, retry: bool = True) -> dict[str, DeviceReport]:
         """Every device's latest well-formed report, by device id (sorted); malformed ones
         are left out (:meth:`device_reports_or_errors` says why)."""
-        return {k: v for k, v in self.device_reports_or_errors().items() if isinstance(v, DeviceReport)}
+        reports = self.device_reports_or_errors(retry)
+        return {k: v for k, v in reports.items() if isinstance(v, DeviceReport)}
 
     def device_reports_or_errors(self, retry: bool = True) -> dict[str, DeviceReport | RecordError]:
         """Every device's latest report, by device id (sorted), or the :class:`RecordError`
@@ -484,3 +509,17 @@ def _typed(exc: redis.exceptions.ResponseError) -> Exception:
     if isinstance(exc, redis.exceptions.ReadOnlyError) or text.startswith("READONLY"):
         return StateNotWritable(f"state store cannot write: Redis is a read-only replica ({text})")
     return exc
+
+
+async def on_loop(call: Callable[[bool], _T]) -> _T:
+    """``call(False)`` on the event loop, or ``call(True)`` in a thread when Redis is away.
+
+    ``call`` is a :class:`ClusterState` method bound to its arguments, taking ``retry``. One
+    local Redis round trip on the loop costs ~0.1 ms; a hop to a thread and back costs 0.3-1 ms
+    (more on busy cores), and the cold path makes several. A call that finds Redis away
+    (:class:`StateUnavailable`) is retried in a thread, whose retries block no other request.
+    """
+    try:
+        return call(False)
+    except StateUnavailable:
+        return await asyncio.to_thread(call, True)

@@ -94,6 +94,12 @@ def test_workers_inherit_no_secrets_need_their_credential_and_a_dead_one_is_skip
                 assert (await http.post("/v1/completions", json=body)).status_code == 401
                 ok = await http.post("/v1/completions", json=body, headers={TOKEN_HEADER: started.token})
                 assert ok.status_code == 200, ok.text
+            # A second instance shares the cores: it is told its share in the assignment itself
+            # (the first instance is told in the background), so it serves with it from the start.
+            second = await agent.launch("2", document, model, agent.devices()[0], time.time() + 120)
+            async with httpx.AsyncClient(base_url=second.url, timeout=60) as http:
+                health = await http.get("/healthz", headers={TOKEN_HEADER: second.token})
+                assert health.json()["num_threads"] == max(1, (os.cpu_count() or 1) // 2)
         finally:
             await agent.close()
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -101,6 +102,16 @@ def test_without_measuring_it_keeps_the_decision_for_that_many_instances() -> No
     cpu = share(script)
     assert cpu.decide(0.0, [10, 11], measure=False) == 1  # 2 cores, 2 instances
     assert cpu.decide(0.0, [], measure=False) is None
+
+
+def test_a_starting_instance_is_told_the_share_decided_for_that_many_instances() -> None:
+    script = Scripted()
+    cpu = share(script)
+    assert (cpu.share(1), cpu.share(2), cpu.share(3)) == (2, 1, 1)  # 2 cores: an even split
+    cpu.current[1] = 1  # a busy neighbour took a core from a lone instance
+    assert cpu.share(1) == 1
+    with pytest.raises(ValueError):
+        cpu.share(0)
 
 
 def test_the_proc_readers_see_a_busy_process() -> None:

@@ -34,6 +34,9 @@ def test_messages_round_trip() -> None:
     assert PreloadMessage.from_json(PreloadMessage("/m").to_json()) == PreloadMessage("/m")
     assert ThreadsMessage.from_json(b'{"num_threads": 3}').num_threads == 3
     assert AssignMessage.from_json(json.dumps(assign_body(pool_ticket=None))).pool_ticket is None
+    # The starting instance's share of the cores rides in the assignment (absent: keep the worker's).
+    assert AssignMessage.from_json(json.dumps(assign_body(num_threads=2))).num_threads == 2
+    assert AssignMessage.from_json(json.dumps(assign_body())).num_threads is None
 
 
 @pytest.mark.parametrize(
@@ -46,6 +49,10 @@ def test_messages_round_trip() -> None:
         assign_body(model_dir="x" * 5000),
         assign_body(deadline="soon"),
         assign_body(deadline=float("inf")),
+        assign_body(num_threads=0),
+        assign_body(num_threads=True),
+        assign_body(num_threads=1.5),
+        assign_body(num_threads=10**6),
         assign_body(extra=1),
         {k: v for k, v in assign_body().items() if k != "deadline"},
         [1, 2],
