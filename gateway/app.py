@@ -47,6 +47,7 @@ from gateway.routes.cluster import cluster_routes, health_routes
 from gateway.routes.functions import function_routes
 from gateway.routes.invoke import Invocations, invoke_routes
 from gateway.tenants import Authenticator, Principal, TenantKeys, tenant_routes
+from runtime.errors import error_body
 from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState
 
@@ -144,7 +145,7 @@ def create_app(
         """Starlette's own errors (no such route: 404, wrong method: 405) in Ember's error body."""
         assert isinstance(exc, StarletteHTTPException)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        body = {"error": {"type": kind, "message": str(exc.detail)}}
+        body = error_body(kind, str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(StarletteHTTPException, route_error)

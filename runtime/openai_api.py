@@ -308,10 +308,24 @@ def _without_unused(body: Mapping[str, Any], table: Mapping[str, Callable[[Any],
     return {k: v for k, v in body.items() if k not in table}
 
 
-def _check_parts(messages: list[Any]) -> None:
-    """A content part of another type than ``text`` is a 400 naming its type and place."""
+def _check_messages(messages: list[Any]) -> None:
+    """What the message model checks as a whole, named by field: a content part of another
+    type than ``text`` (its type and place), a missing ``content`` or ``tool_call_id``."""
     for i, m in enumerate(messages):
-        parts = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            where = f"messages.{i}.content"
+            raise RequestError(
+                f"{where}: Field required (it may be null only on an assistant message with tool_calls)",
+                where,
+                "invalid_value",
+            )
+        if role == "tool" and m.get("tool_call_id") is None:
+            where = f"messages.{i}.tool_call_id"
+            raise RequestError(f"{where}: Field required in a tool message", where, "invalid_value")
+        parts = m.get("content")
         if not isinstance(parts, list):
             continue
         if len(parts) > MAX_PARTS:
@@ -363,7 +377,7 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
                 _without_unused(m, UNSUPPORTED_IN_MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m
                 for i, m in enumerate(messages)
             ]
-            _check_parts(body["messages"])
+            _check_messages(body["messages"])
     try:
         request = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
     except ValidationError as exc:

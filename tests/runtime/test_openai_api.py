@@ -152,11 +152,13 @@ def test_content_parts_and_every_role_render_through_the_template() -> None:
     [
         ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]},
          r"^messages\.0\.content\.1\.type: Ember does not implement content parts of type 'image_url'"),
-        ({"role": "user", "content": None}, r"^messages\.0: Value error, content is required"),
-        ({"role": "tool", "content": "x"}, r"^messages\.0: Value error, a tool message"),
+        ({"role": "user", "content": None}, r"^messages\.0\.content: Field required"),
+        ({"role": "user"}, r"^messages\.0\.content: Field required"),
+        ({"role": "tool", "content": "x"}, r"^messages\.0\.tool_call_id: Field required"),
         ({"role": "user", "content": "x", "tool_call_id": "c"}, r"^messages\.0: Value error, a tool message"),
         ({"role": "user", "content": [{"type": "text"}]}, r"^messages\.0\.content\.0\.text: Field required"),
-        ({"role": "user", "content": [{"type": "text", "text": "x"}] * 257}, r"^messages\.0\.content: more than"),
+        ({"role": "user", "content": [{"type": "text", "text": "x"}] * 257},
+         r"^messages\.0\.content: more than"),
         ({"role": "critic", "content": "x"}, r"^messages\.0\.role"),
     ],
 )  # fmt: skip
