@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,9 +25,14 @@ PARTS = [
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    gguf = tmp_path_factory.mktemp("openai-model") / "tiny.gguf"
-    write_tiny_gguf(gguf, hf_weights(11))
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("openai-model") / "tiny.gguf"
+    write_tiny_gguf(path, hf_weights(11))
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess, gguf: Path) -> Iterator[openai.OpenAI]:
     spec = {
         "apiVersion": "ember.dev/v1",
         "kind": "Function",
@@ -144,3 +150,45 @@ def test_errors_are_openai_error_objects(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="no-such-function", messages=PARTS)  # type: ignore[arg-type]
     body = missing.value.body
     assert isinstance(body, dict) and {"message", "type", "param", "code"} <= set(body)
+
+
+SDK_HANDLER = """
+def handler(event, context):
+    done = context.model.chat(
+        [{"role": "developer", "content": "x"},
+         {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        n=2, seed=3, temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=2,
+    )
+    text = context.model.complete("hello", max_tokens=2, logprobs=1, echo=True, temperature=0)
+    return {
+        "texts": [c.text for c in done.choices],
+        "tokens": done.completion_tokens,
+        "logprobs": [len(c.logprobs) for c in done.choices],
+        "tops": [len(e.top_logprobs) for e in done.logprobs],
+        "prompt_logprobs": [e.logprob for e in text.prompt_logprobs],
+    }
+"""
+
+
+def test_the_sdk_takes_the_same_options(
+    server: ServeProcess, gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    module = tmp_path_factory.mktemp("sdk") / "sdk_options.py"
+    module.write_text(SDK_HANDLER)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        spec = {
+            "apiVersion": "ember.dev/v1",
+            "kind": "Function",
+            "metadata": {"name": "tiny-sdk"},
+            "spec": {
+                "model": {"source": f"gguf:{gguf}", "dtype": "float32"},
+                "handler": f"{module}:handler",
+                "scaling": {"maxScale": 1, "keepAlive": "60s"},
+            },
+        }
+        assert http.post("/v1/functions", json=spec).status_code == 201
+        first = http.post("/v1/functions/tiny-sdk/invoke", json={}).json()
+        again = http.post("/v1/functions/tiny-sdk/invoke", json={}).json()
+    assert first["texts"] == again["texts"] and len(first["texts"]) == 2  # seeded: reproducible
+    assert first["tokens"] == 8 and first["logprobs"] == [4, 4] and first["tops"] == [2] * 4
+    assert first["prompt_logprobs"][0] is None and all(x <= 0 for x in first["prompt_logprobs"][1:])
