@@ -192,3 +192,23 @@ def test_the_sdk_takes_the_same_options(
     assert first["texts"] == again["texts"] and len(first["texts"]) == 2  # seeded: reproducible
     assert first["tokens"] == 8 and first["logprobs"] == [4, 4] and first["tops"] == [2] * 4
     assert first["prompt_logprobs"][0] is None and all(x <= 0 for x in first["prompt_logprobs"][1:])
+
+
+def test_streamed_n_choices_and_streamed_echo_match_the_plain_answers(client: openai.OpenAI) -> None:
+    chat = {"model": NAME, "messages": PARTS, "n": 2, "seed": 5, "temperature": 1.0, "max_tokens": 5,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.chat.completions.create(**chat)  # type: ignore[call-overload]
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in plain.choices]
+    text = {"model": NAME, "prompt": "hello there", "max_tokens": 3, "logprobs": 1, "echo": True,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    done = client.completions.create(**text)  # type: ignore[call-overload]
+    chunks = list(client.completions.create(**text, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    tokens = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert done.choices[0].logprobs is not None and tokens == done.choices[0].logprobs.tokens
