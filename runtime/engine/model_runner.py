@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
 
-from runtime.engine.sampling import TokenLogprob, prompt_logprobs, sample, token_logprob
+from runtime.engine.sampling import TokenLogprob, sample, targets_logprobs, token_logprob
 from runtime.engine.sequence import Sequence
 from runtime.models.llama import Batch, LlamaModel
+
+# Prompt positions whose logits are computed at once for prompt log-probabilities: bounds the
+# (rows x vocab) float32 temporaries (128 x 49152 x 4 B = 24 MiB for SmolLM2).
+LOGIT_CHUNK = 128
 
 
 class Sampled(NamedTuple):
@@ -33,8 +38,9 @@ class ModelRunner:
         """Feed every sequence's uncached tokens; return one sampled token per sequence.
 
         A sequence whose request wants prompt log-probabilities (and has none yet) gets the
-        logits of every prompt position: only then does the forward pass compute more than
-        one row of logits per sequence.
+        logits of every prompt position, computed from the forward pass's hidden states in
+        chunks of :data:`LOGIT_CHUNK` rows; every other batch takes the forward pass's one row
+        of logits per sequence, as before.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -70,26 +76,37 @@ class ModelRunner:
             table,
             torch.tensor(rows) if any(full) else None,
         )
-        logits = self.model.forward(batch, self.kv_blocks)
+        result = self.model.forward(batch, self.kv_blocks)
+        if batch.logit_rows is not None:  # hidden states: the last rows' logits, prompts' below
+            hidden = result
+            sizes = (len(s) - s.num_cached if f else 1 for s, f in zip(seqs, full, strict=True))
+            ends = list(itertools.accumulate(sizes))
+            logits = self.model.lm_logits(hidden[torch.tensor(ends) - 1])
+        else:
+            logits = result
         out = []
         row = 0
-        for seq, wants in zip(seqs, full, strict=True):
+        for i, (seq, wants) in enumerate(zip(seqs, full, strict=True)):
             if wants:
-                n = len(seq) - seq.num_cached
-                k = seq.params.prompt_logprobs or 0
-                seq.prompt_logprobs = prompt_logprobs(
-                    logits[row : row + len(seq.prompt_ids)], seq.prompt_ids, k
-                )
-                row += n
-                last = logits[row - 1]
+                seq.prompt_logprobs = self._prompt_logprobs(hidden[row : row + len(seq)], seq)
+                row += len(seq)
             else:
-                last = logits[row]
                 row += 1
+            last = logits[i]
             seq.num_cached = len(seq)
             params = seq.params
             token = sample(last, params, seq.output_ids, self._generator(seq), seq.prompt_ids, self.eos_ids)
             lp = token_logprob(last, token, params.logprobs) if params.logprobs is not None else None
             out.append(Sampled(token, lp))
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given those before it (None for the first)."""
+        ids, k = seq.prompt_ids, seq.params.prompt_logprobs or 0
+        out: list[TokenLogprob | None] = [None]
+        for start in range(0, len(ids) - 1, LOGIT_CHUNK):
+            stop = min(start + LOGIT_CHUNK, len(ids) - 1)
+            out += targets_logprobs(self.model.lm_logits(hidden[start:stop]), ids[start + 1 : stop + 1], k)
         return out
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -104,21 +104,18 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), top)
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
-    """Per prompt token, its log-probability given the tokens before it (None for the first:
-    nothing predicts it). ``logits`` (len(prompt_ids), vocab) are the model's at each prompt
-    position, row ``p`` predicting token ``p + 1``."""
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
-    chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-    out: list[TokenLogprob | None] = [None]
-    if k:
-        values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        for t, lp, vs, ix in zip(prompt_ids[1:], chosen, values.tolist(), ids.tolist(), strict=True):
-            out.append(TokenLogprob(t, lp, tuple(zip(ix, vs, strict=True))))
-    else:
-        out.extend(TokenLogprob(t, lp) for t, lp in zip(prompt_ids[1:], chosen, strict=True))
-    return out
+def targets_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Per row of ``logits`` (len(targets), vocab), the log-probability of ``targets[row]`` with
+    the top ``k`` alternatives (a prompt's tokens, each given the tokens before it)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    if not k:
+        return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen, strict=True)]
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return [
+        TokenLogprob(t, lp, tuple(zip(ix, vs, strict=True)))
+        for t, lp, vs, ix in zip(targets, chosen, values.tolist(), ids.tolist(), strict=True)
+    ]
 
 
 def process_logits(

@@ -194,8 +194,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the last new token of each sequence: (B, vocab); of the rows
-        ``batch.logit_rows`` when it is set: (len(logit_rows), vocab)."""
+        """Logits (float32) of the last new token of each sequence: (B, vocab). When
+        ``batch.logit_rows`` is set: the final hidden states of those rows, (R, hidden), for
+        :meth:`lm_logits` (a long prompt's logits at once would take R x vocab floats)."""
         cfg = self.config
         device = self.embed.device
         if batch.input_ids.device != device:  # batches are built on the host
@@ -250,7 +251,13 @@ class LlamaModel:
         else:
             last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        if batch.logit_rows is not None:
+            return x
+        return self.lm_logits(x)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of final hidden states (N, hidden): (N, vocab)."""
+        return F.linear(hidden, self.lm_head).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)
