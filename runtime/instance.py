@@ -142,7 +142,8 @@ class ModelBinding:
         A prompt far beyond the context is rejected before tokenizing (by its length in
         characters), and tokenizing runs in a thread: the event loop keeps serving.
         """
-        check_prompt_chars(request.chars, self.engine.max_context)
+        param = "messages" if isinstance(request, ChatRequest) else "prompt"
+        check_prompt_chars(request.chars, self.engine.max_context, param)
         ids = await asyncio.to_thread(self.encode, request)
         return ids, self.params(request, len(ids))
 

@@ -405,14 +405,14 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
     return request
 
 
-def check_prompt_chars(chars: int, max_context: int) -> None:
+def check_prompt_chars(chars: int, max_context: int, param: str | None = None) -> None:
     """:class:`RequestError` for a prompt of ``chars`` characters that cannot fit a context of
     ``max_context`` tokens whatever it tokenizes to (checked before tokenizing it)."""
     if chars > max_context * MAX_CHARS_PER_TOKEN:
         raise RequestError(
             f"the prompt has {chars} characters, far more than fit the model's context of "
             f"{max_context} tokens",
-            "messages" if chars else None,
+            param,
             "context_length_exceeded",
         )
 

@@ -223,8 +223,13 @@ async def merge(streams: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple
     """The outputs of ``streams`` as they come, tagged with the stream's index; the first
     failure is raised (the other streams are then closed, aborting their requests)."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:  # closed early (the client went away): the request is aborted now, not at GC
+            close = getattr(streams[0], "aclose", None)
+            if close is not None:
+                await close()
         return
     queue: asyncio.Queue[tuple[int, StepOutput | None, BaseException | None]] = asyncio.Queue()
 
@@ -287,6 +292,8 @@ async def sse_chunks(
     kind = "chat.completion.chunk" if chat else "text_completion"
     states = [ChoiceState(i) for i in range(len(streams))]
     offsets = [0] * len(streams)
+    # Only the first choice computes the prompt's logprobs (choice_params); every echo shows them.
+    prompt_lps: tuple[Logprob, ...] = ()
 
     def usage() -> dict[str, Any]:
         return usage_body(len(prompt_ids), sum(s.tokens for s in states), states[0].cached)
@@ -318,9 +325,9 @@ async def sse_chunks(
         async for i, out in merge(streams):
             state = states[i]
             state.add(out, reporter, prompt_ids)
+            prompt_lps = state.prompt_logprobs or prompt_lps
             if echo is not None and state.tokens == 1:
-                lps = list(state.prompt_logprobs or ()) if reporter is not None else None
-                yield chunk(i, echo, None, lps)
+                yield chunk(i, echo, None, list(prompt_lps) if reporter is not None else None)
             if out.text_delta or state.reason:
                 lps, state.pending = state.pending, []
                 yield chunk(i, out.text_delta, state.reason, lps)

@@ -504,3 +504,35 @@ def test_min_tokens_holds_off_eos_and_stop_strings(tiny: RegisteredModel, pool: 
         assert len(_run(engine, prompt, stop)) < 8
         held = _run(engine, prompt, SamplingParams(**{**_fields(stop), "min_tokens": 8}))
         assert len(held) == 8 and "".join(o.text_delta for o in held) == text
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_merged_choice_streams_closed_early_abort_every_choice(
+    tiny: RegisteredModel, pool: PoolProcess, n: int
+) -> None:
+    """``n`` choices are ``n`` sequences: a client that goes away frees them all at once."""
+    import asyncio
+
+    from runtime.openai_response import merge
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+
+        async def run() -> set[int]:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                params = SamplingParams(max_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
+                merged = merge([engine.stream(prompts(1)[0], params) for _ in range(n)])
+                seen = set()
+                async for i, _ in merged:
+                    seen.add(i)
+                    if len(seen) == n:
+                        break
+                await merged.aclose()  # type: ignore[attr-defined]
+                assert not engine.scheduler.running and not engine.scheduler.waiting
+                return seen
+            finally:
+                driver.cancel()
+
+        assert asyncio.run(run()) == set(range(n))
+        assert engine.blocks.num_held == 0 and engine.seqs == {}
