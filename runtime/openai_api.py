@@ -21,6 +21,7 @@ vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -498,8 +499,6 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     Only the first choice asks for prompt log-probabilities (they are the same for all)."""
     if index == 0:
         return params
-    from dataclasses import replace
-
     seed = params.seed
     if seed is not None:
         seed = (seed + index) % SEED_MOD
