@@ -1,23 +1,24 @@
 """The HTTP front door: the composition of the gateway's routes (:mod:`gateway.routes`).
 
-Functions are deployed from YAML or JSON (validated against the function spec, defaults
-filled in, the model registered) into the cluster state in Redis. Invocations go through
+Functions are deployed from YAML or JSON (validated against the function spec, defaults filled
+in, the model registered) into the cluster state in Redis. Invocations go through
 :class:`gateway.proxy.Invoker` to an instance chosen by the scheduler's router, by one
 implementation (:mod:`gateway.routes.invoke`) that :class:`gateway.fastpath.InvocationFastPath`
-calls ahead of FastAPI's routing. Every error is a JSON ``{"error": {"type", "message"}}``:
-its HTTP status comes from one table (:data:`gateway.errors.ERROR_STATUS`), its ``type`` from
-the error class's ``code``. 4xx for client mistakes; 503 (with ``Retry-After``) when a
-request is rejected early or Redis is away or cannot write; 502 when an instance fails. An
-API key, when configured, is required as ``Authorization: Bearer KEY`` on every route
-(documentation included) but ``/healthz`` (liveness) and ``/readyz`` (readiness of Redis,
-pools and a warm worker: see :mod:`gateway.health`; it reveals nothing beyond ready / not
-ready per component): the gateway's own key is the admin's, tenant keys see only their
-namespace's functions (:mod:`gateway.tenants`; an admin picks a namespace with
-``?namespace=``). Request bodies are bounded in size and read time (:mod:`gateway.limits`);
-JSON and YAML are parsed with depth bounds, specs off the event loop. In cluster mode
-(:func:`gateway.compose.build_cluster`) invocations go to each function's Knative Service
-(:class:`Serving`'s ``router`` is then a :class:`scheduler.knative.targets.ServiceTargets`)
-and deploys and deletes apply the Service too (``Serving.deployments``).
+calls ahead of FastAPI's routing. Every error is OpenAI's error object ``{"error": {"message",
+"type", "param", "code"}}``: its HTTP status comes from one table
+(:data:`gateway.errors.ERROR_STATUS`), its ``type`` from the error class's ``code``. 4xx for
+client mistakes; 503 (with ``Retry-After``) when a request is rejected early or Redis is away
+or cannot write; 502 when an instance fails. An API key, when configured, is required as
+``Authorization: Bearer KEY`` on every route (documentation included) but ``/healthz``
+(liveness) and ``/readyz`` (readiness of Redis, pools and a warm worker: see
+:mod:`gateway.health`; it reveals nothing beyond ready / not ready per component): the
+gateway's own key is the admin's, tenant keys see only their namespace's functions
+(:mod:`gateway.tenants`; an admin picks a namespace with ``?namespace=``). Request bodies are
+bounded in size and read time (:mod:`gateway.limits`); JSON and YAML are parsed with depth
+bounds, specs off the event loop. In cluster mode (:func:`gateway.compose.build_cluster`)
+invocations go to each function's Knative Service (:class:`Serving`'s ``router`` is then a
+:class:`scheduler.knative.targets.ServiceTargets`) and deploys and deletes apply the Service
+too (``Serving.deployments``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from gateway.routes.cluster import cluster_routes, health_routes
 from gateway.routes.functions import function_routes
 from gateway.routes.invoke import Invocations, invoke_routes
 from gateway.tenants import Authenticator, Principal, TenantKeys, tenant_routes
+from runtime.errors import error_body
 from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState
 
@@ -144,7 +146,7 @@ def create_app(
         """Starlette's own errors (no such route: 404, wrong method: 405) in Ember's error body."""
         assert isinstance(exc, StarletteHTTPException)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        body = {"error": {"type": kind, "message": str(exc.detail)}}
+        body = error_body(kind, str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(StarletteHTTPException, route_error)

@@ -1,8 +1,10 @@
 """The gateway's error answers: one table from error class to HTTP status, one renderer.
 
-Every error is a JSON ``{"error": {"type", "message"}}``: its status comes from
-:data:`ERROR_STATUS` (first match wins), its ``type`` from the error class's ``code``; an
-error not in the table is a bug, answered 500 ``internal_error``. 503 and 507 always carry
+Every error is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``
+(:func:`runtime.errors.error_body`, shared with the workers): its status comes from
+:data:`ERROR_STATUS` (first match wins), its ``type`` (and ``code``) from the error class's
+``code``, ``param`` from the error's ``param`` when it names a field; an error not in the
+table is a bug, answered 500 ``internal_error``. 503 and 507 always carry
 ``Retry-After``.
 """
 
@@ -16,6 +18,7 @@ from fastapi.responses import JSONResponse
 from gateway.limits import BodyTimeout, BodyTooLarge, EdgeError
 from gateway.proxy import BadRequest, InvocationError
 from gateway.tenants import Forbidden
+from runtime.errors import error_body
 from scheduler.errors import (
     FunctionNotFound,
     FunctionQuotaExceeded,
@@ -83,9 +86,6 @@ def render_error(exc: Exception) -> JSONResponse:
         exc = EdgeError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
     status = next((v for cls, v in ERROR_STATUS.items() if isinstance(exc, cls)), 500)
     kind = str(getattr(exc, "code", "internal_error")) if status != 500 else "internal_error"
-    # Messages may quote input, and JSON's \ud800 escapes can carry lone surrogates, which
-    # the response's UTF-8 cannot: escape them rather than fail with a 500.
-    message = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
     headers: dict[str, str] = {}
     if status in (503, 507):  # resource exhaustion: always say when to come back
         headers["retry-after"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", RETRY_AFTER_S))))
@@ -94,6 +94,7 @@ def render_error(exc: Exception) -> JSONResponse:
         # request: close it. (Every other error is answered after the whole body was
         # read and keeps the keep-alive connection.)
         headers["connection"] = "close"
-    return JSONResponse(
-        {"error": {"type": kind, "message": message}}, status_code=status, headers=headers or None
-    )
+    # error_body escapes lone surrogates (JSON's \ud800 escapes carry them into messages).
+    param = getattr(exc, "param", None)
+    body = error_body(kind, str(exc), param if isinstance(param, str) else None)
+    return JSONResponse(body, status_code=status, headers=headers or None)

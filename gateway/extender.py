@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Scope
 from gateway.errors import render_error
 from gateway.limits import BodyLimits, EdgeLimits, load_json
 from gateway.redis_auth import PASSWORD_ENV, with_password
+from runtime.errors import error_body
 from runtime.http_server import server_config
 from scheduler.extender.residency import ResidencyCache
 from scheduler.extender.service import Extender, ExtenderConfig
@@ -110,7 +111,7 @@ def extender_app(
         """Starlette's own errors (no such route: 404, wrong method: 405) as Ember's error body."""
         assert isinstance(exc, HTTPException)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        body = {"error": {"type": kind, "message": str(exc.detail)}}
+        body = error_body(kind, str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     def cap(_scope: Scope) -> int:

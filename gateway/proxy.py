@@ -35,6 +35,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from gateway.metrics import Metrics
+from runtime.errors import error_body
 from scheduler.errors import FunctionNotFound, SchedulerError
 from scheduler.records import FunctionRecord
 from scheduler.router import Route
@@ -220,9 +221,7 @@ class Invoker:
                 complete = True
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.metrics.errors.labels(name, "instance_failed").inc()
-                error = {
-                    "error": {"type": "instance_failed", "message": f"the instance failed mid-stream: {exc}"}
-                }
+                error = error_body("instance_failed", f"the instance failed mid-stream: {exc}")
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
                 await self._lost(name, route, None)
             finally:

@@ -25,3 +25,14 @@ class LaunchError(EmberRuntimeError):
     """An instance could not be started (the worker refused its function or died)."""
 
     code = "launch_error"
+
+
+def error_body(
+    kind: str, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, object]:
+    """The one JSON error object of the runtime's HTTP answers, OpenAI's shape: ``type`` is
+    Ember's error type (``invalid_request_error`` for a client's mistake, as OpenAI's),
+    ``param`` the request field at fault when one is, ``code`` a finer reason (defaults to
+    ``type``). Messages may quote input, whose lone surrogates UTF-8 cannot carry: escaped."""
+    safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": safe, "type": kind, "param": param, "code": code or kind}}

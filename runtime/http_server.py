@@ -30,6 +30,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from runtime.errors import error_body
+
 # Wire error types (the gateway's BodyTimeout, BodyTooLarge and EdgeError codes).
 TIMEOUT_CODE = "request_timeout"
 TOO_LARGE_CODE = "request_too_large"
@@ -160,7 +162,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: bytes, code: str, message: str) -> None:
         """Answer ``status`` with Ember's JSON error in its turn on the wire, and close."""
-        body = json.dumps({"error": {"type": code, "message": message}}).encode()
+        body = json.dumps(error_body(code, message)).encode()
         answer = (
             b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)

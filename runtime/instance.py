@@ -13,23 +13,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpu_pool.acquire_report import AcquireReport
 from runtime.chat import ChatTemplate, ChatTemplateError
-from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.engine import Engine, EngineConfig, StepOutput
 from runtime.engine.sampling import SamplingParams
 from runtime.openai_api import (
     ChatRequest,
-    Completion,
     CompletionRequest,
     RequestError,
     check_prompt_chars,
+    choice_params,
     sampling_params,
 )
+from runtime.openai_response import Completion, Reporter, collect
 from runtime.registry import RegisteredModel, load
+from runtime.token_text import TokenText
 
 
 @dataclass(frozen=True)
@@ -105,52 +108,61 @@ class ModelBinding:
     max_tokens_default: int
     acquire_report: AcquireReport  # what the pool's acquire of the weights cost
     timings_ms: dict[str, float] = field(default_factory=dict)
+    _tokens: TokenText | None = field(default=None, repr=False)  # built on first logprobs request
 
     def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
         """Token ids of a chat (rendered with the model's template) or completion prompt."""
         if isinstance(request, ChatRequest):
-            return self.encode_chat([m.model_dump() for m in request.messages])
+            return self.encode_chat(request.template_messages(), request.template_tools())
         return self.encode_text(request.prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         try:
-            text = self.template.chat.render(messages)
+            text = self.template.chat.render(messages, tools)
         except ChatTemplateError as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), "messages", exc.code) from None
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:
         ids: list[int] = self.template.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", None, "invalid_value")
         return ids
 
     def params(self, request: ChatRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
-        return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default)
+        vocab = self.engine.runner.model.config.vocab_size
+        return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default, vocab)
 
     async def prepare(self, request: ChatRequest | CompletionRequest) -> tuple[list[int], SamplingParams]:
-        """Token ids and sampling parameters of ``request``, or :class:`RequestError`.
+        """Token ids and sampling parameters (of the first choice) of ``request``, or
+        :class:`RequestError`.
 
         A prompt far beyond the context is rejected before tokenizing (by its length in
         characters), and tokenizing runs in a thread: the event loop keeps serving.
         """
-        if isinstance(request, ChatRequest):
-            chars = sum(len(m.content) for m in request.messages)
-        else:
-            chars = len(request.prompt)
-        check_prompt_chars(chars, self.engine.max_context)
+        param = "messages" if isinstance(request, ChatRequest) else "prompt"
+        check_prompt_chars(request.chars, self.engine.max_context, param)
         ids = await asyncio.to_thread(self.encode, request)
         return ids, self.params(request, len(ids))
 
-    async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
-        """Run one request to completion."""
-        text, n, reason, cached = "", 0, None, 0
-        async for out in self.engine.stream(ids, params):
-            text += out.text_delta
-            n += 1
-            reason = out.finish_reason
-            cached = out.cached_tokens
-        return Completion(text, len(ids), n, reason.value if reason else None, cached)
+    def streams(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[AsyncIterator[StepOutput]]:
+        """One engine stream per choice (:func:`~runtime.openai_api.choice_params`); each adds
+        its sequence when first iterated."""
+        return [self.engine.stream(ids, choice_params(params, i)) for i in range(n)]
+
+    def reporter(self, params: SamplingParams) -> Reporter | None:
+        """What turns log-probabilities into OpenAI's entries, when ``params`` asks for them."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return None
+        if self._tokens is None:
+            self._tokens = TokenText(self.template.tokenizer)
+        return Reporter(self._tokens, self.template.eos_ids, params.ignore_eos)
+
+    async def complete(self, ids: list[int], params: SamplingParams, n: int = 1) -> Completion:
+        """Run one request (``n`` choices) to completion."""
+        return await collect(self.streams(ids, params, n), ids, self.reporter(params))
 
 
 def _block_prefill_s(profile: dict[str, Any]) -> float:

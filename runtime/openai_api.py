@@ -1,27 +1,27 @@
-"""The OpenAI wire format a worker speaks: request models, validation, responses, SSE chunks.
+"""The OpenAI wire format a worker accepts: request models, validation, sampling parameters.
 
 Kept apart from the worker's lifecycle so the SDK (``context.model``) and the HTTP routes
-share one definition of what a valid request is and how a completion is reported.
+share one definition of what a valid request is (responses: :mod:`runtime.openai_response`).
+The README's "OpenAI API" table lists every field and what Ember does with it.
 
 No request field is silently ignored. A field is accepted only when Ember honours it or when
 ignoring it cannot change the response (identifiers, prompt-cache hints; see
-:class:`SamplingFields`). OpenAI fields Ember does not implement (``n`` other than 1,
-``logprobs``, ``tools``, ``reasoning_effort``, ``store: true``, ...: :data:`UNSUPPORTED`)
-are answered 400 naming the field, unless they carry the value that means "not used"; any
-other key is answered 400 as unrecognized, as OpenAI does. The same holds for the keys of a
-chat message. ``max_completion_tokens`` is ``max_tokens`` under its newer name (it wins when
-both are given). A request's ``max_tokens`` is clamped to the function's ``maxTokens``.
-``stream_options.include_usage`` adds OpenAI's final usage chunk to a stream.
-``ignore_eos`` (a vLLM extension, also llama.cpp's) keeps decoding past the model's end-of-text
-token until ``max_tokens`` or a stop string: benchmarks use it to decode a fixed token count.
+:class:`SamplingFields`). OpenAI fields Ember does not implement (``best_of``, ``suffix``,
+``reasoning_effort``, ``store: true``, ...: :data:`UNSUPPORTED`) are answered 400 naming the
+field, unless they carry the value that means "not used"; any other key is answered 400 as
+unrecognized, as OpenAI does. The same holds for the keys of a chat message and for content
+parts (only ``text`` parts). ``max_completion_tokens`` is ``max_tokens`` under its newer
+name (it wins when both are given); a request's ``max_tokens`` is clamped to the function's
+``maxTokens``. ``n`` choices are independent sequences over one prompt; with a ``seed``,
+choice ``i`` samples with seed ``seed + i`` (mod 2**64), so a request is reproducible.
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and
+``ignore_eos`` are taken under vLLM's names and meanings.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,19 +30,26 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
     StringConstraints,
     ValidationError,
     model_validator,
 )
 
-from runtime.engine.engine import StepOutput
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import RequestFailed
+from runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # A prompt longer than this many characters per context token cannot fit (no tokenizer packs
 # more than a few characters in a token): rejected before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
+MAX_N = 16  # choices per request: each is a sequence in the batch
+MAX_STOP = 4  # OpenAI's bound
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts per message
+MAX_TOOL_CALLS = 128  # per assistant message
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' bound on logprobs
+SEED_MOD = 2**64
 
 
 def _is_default(*defaults: object) -> Callable[[Any], bool]:
@@ -56,13 +63,8 @@ def _is_empty(value: Any) -> bool:
 # OpenAI request fields (chat and legacy completions) Ember does not implement, with the
 # values that mean "not used"; any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _is_default(1),
     "best_of": _is_default(1),
-    "logprobs": _is_default(False),
-    "top_logprobs": _is_default(0),
-    "echo": _is_default(False),
     "suffix": _is_default(""),
-    "logit_bias": _is_empty,
     "tools": _is_empty,
     "functions": _is_empty,
     "tool_choice": _is_default("none"),
@@ -86,8 +88,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # others appear when a client replays an assistant message it received.
 UNSUPPORTED_IN_MESSAGE: dict[str, Callable[[Any], bool]] = {
     "name": _is_default(),
-    "tool_calls": _is_empty,
-    "tool_call_id": _is_default(),
     "function_call": _is_default(),
     "refusal": _is_default(),
     "audio": _is_default(),
@@ -95,7 +95,17 @@ UNSUPPORTED_IN_MESSAGE: dict[str, Callable[[Any], bool]] = {
 
 
 class RequestError(Exception):
-    """A client mistake: answered with HTTP 400 and an OpenAI-style error body."""
+    """A client mistake: answered with HTTP 400 and an OpenAI-style error body.
+
+    ``param`` is the request field at fault (``messages.0.content.1.type``) when one is;
+    ``code`` OpenAI's finer reason (``unsupported_parameter``, ``unknown_parameter``,
+    ``invalid_value``) when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 def _unicode(text: str) -> str:
@@ -111,12 +121,70 @@ Text = Annotated[str, AfterValidator(_unicode)]
 # An identifier Ember accepts and ignores (it cannot change a response); bounded like OpenAI's.
 Identifier = Annotated[str, StringConstraints(max_length=512)]
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+StopString = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)
+]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Text
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, StringConstraints(max_length=256)]
+    arguments: Text  # a JSON string, as OpenAI sends it (bounded by the body's size)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Identifier
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
+    """One message. ``developer`` is the newer name of ``system`` (rendered as such when the
+    template has no developer role); an assistant message may carry ``tool_calls`` (then its
+    content may be null) and a ``tool`` message answers one by ``tool_call_id``."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: Identifier | None = None
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content is required (it may be null only on an assistant message with tool_calls)"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, needs a tool_call_id")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (vLLM's rendering)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template sees it (:mod:`runtime.chat`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(BaseModel):
@@ -132,17 +200,26 @@ class SamplingFields(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Token id (a decimal string, as JSON keys are) -> bias in [-100, 100]; ids are checked
+    # against the model's vocabulary in sampling_params.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extension (llama.cpp's server takes it too): decode past end-of-text, so a
-    # benchmark can ask every server for the same number of tokens.
-    ignore_eos: StrictBool = False
+    # vLLM's extensions (llama.cpp's server takes most too), under vLLM's names.
+    ignore_eos: StrictBool = False  # decode past end-of-text: benchmarks ask for exact lengths
+    top_k: StrictInt = Field(0, ge=-1, le=1 << 20)  # -1 or 0: no cut
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: StrictInt = Field(0, ge=0)
     # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
     # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache
     # changes latency, never tokens) and parallel_tool_calls (tools are refused above).
@@ -165,13 +242,58 @@ class SamplingFields(BaseModel):
         """Whether a stream ends with OpenAI's usage chunk (``stream_options.include_usage``)."""
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    # What the response reports beyond the text (overridden per endpoint).
+    def logprobs_k(self) -> int | None:
+        """Alternatives reported with each sampled token's log-probability (None: none)."""
+        return None
+
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives reported with each prompt token's log-probability (None: none)."""
+        return None
+
 
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The ``tools`` the chat template renders (None until the request takes tools)."""
+        return None
+
+    @property
+    def chars(self) -> int:
+        """Characters of the messages (bounds the prompt before it is tokenized)."""
+        return sum(
+            len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in self.messages
+        )
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text
+    # Legacy completions: the number of alternatives with each token's log-probability.
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False  # the prompt precedes the text (and its tokens the logprobs)
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def chars(self) -> int:
+        return len(self.prompt)
 
 
 def _without_unused(body: Mapping[str, Any], table: Mapping[str, Callable[[Any], bool]], where: str) -> Any:
@@ -179,8 +301,70 @@ def _without_unused(body: Mapping[str, Any], table: Mapping[str, Callable[[Any],
     naming the first that does not."""
     for name, unused in table.items():
         if name in body and not unused(body[name]):
-            raise RequestError(f"{where}{name}: Ember does not implement this field")
+            raise RequestError(
+                f"{where}{name}: Ember does not implement this field",
+                f"{where}{name}",
+                "unsupported_parameter",
+            )
     return {k: v for k, v in body.items() if k not in table}
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """What the message model checks as a whole, named by field: a content part of another
+    type than ``text`` (its type and place), a missing ``content`` or ``tool_call_id``."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            where = f"messages.{i}.content"
+            raise RequestError(
+                f"{where}: Field required (it may be null only on an assistant message with tool_calls)",
+                where,
+                "invalid_value",
+            )
+        if role == "tool" and m.get("tool_call_id") is None:
+            where = f"messages.{i}.tool_call_id"
+            raise RequestError(f"{where}: Field required in a tool message", where, "invalid_value")
+        parts = m.get("content")
+        if not isinstance(parts, list):
+            continue
+        if len(parts) > MAX_PARTS:
+            raise RequestError(
+                f"messages.{i}.content: more than {MAX_PARTS} parts", f"messages.{i}.content", "invalid_value"
+            )
+        for j, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                where = f"messages.{i}.content.{j}.type"
+                raise RequestError(
+                    f"{where}: Ember does not implement content parts of type {kind[:64]!r} (only 'text')",
+                    where,
+                    "unsupported_parameter",
+                )
+
+
+# Errors that only say "not this member of a union" (``content`` is a string or a list of
+# parts): another member's error says more, when there is one.
+_BRANCH_MISMATCH = {
+    "string_type",
+    "list_type",
+    "dict_type",
+    "model_type",
+    "none_required",
+    "int_type",
+    "bool_type",
+}
+
+
+def _first_error(exc: ValidationError) -> Any:
+    errors = exc.errors()
+    return next((e for e in errors if e["type"] not in _BRANCH_MISMATCH), errors[0])
+
+
+def _is_union_tag(part: object) -> bool:
+    """Whether a location part names a union member (``list[TextPart]``), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
 
 
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
@@ -194,54 +378,97 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
                 _without_unused(m, UNSUPPORTED_IN_MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m
                 for i, m in enumerate(messages)
             ]
+            _check_messages(body["messages"])
     try:
         request = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(body)"
+        first = _first_error(exc)
+        where = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
         if first["type"] == "extra_forbidden":
-            raise RequestError(f"{where}: unrecognized request field") from None
-        raise RequestError(f"{where}: {first['msg']}") from None
+            raise RequestError(f"{where}: unrecognized request field", where, "unknown_parameter") from None
+        raise RequestError(f"{where or '(body)'}: {first['msg']}", where or None, "invalid_value") from None
     options = request.stream_options
     if options is not None:
         if not request.stream:  # as OpenAI answers
-            raise RequestError("stream_options: only allowed when stream is true")
+            raise RequestError(
+                "stream_options: only allowed when stream is true", "stream_options", "invalid_value"
+            )
         if options.include_obfuscation:
-            raise RequestError("stream_options.include_obfuscation: Ember does not implement this field")
+            raise RequestError(
+                "stream_options.include_obfuscation: Ember does not implement this field",
+                "stream_options.include_obfuscation",
+                "unsupported_parameter",
+            )
+    if isinstance(request, ChatRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise RequestError(
+            "top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value"
+        )
     return request
 
 
-def check_prompt_chars(chars: int, max_context: int) -> None:
+def check_prompt_chars(chars: int, max_context: int, param: str | None = None) -> None:
     """:class:`RequestError` for a prompt of ``chars`` characters that cannot fit a context of
     ``max_context`` tokens whatever it tokenizes to (checked before tokenizing it)."""
     if chars > max_context * MAX_CHARS_PER_TOKEN:
         raise RequestError(
             f"the prompt has {chars} characters, far more than fit the model's context of "
-            f"{max_context} tokens"
+            f"{max_context} tokens",
+            param,
+            "context_length_exceeded",
         )
 
 
+def _logit_bias(request: SamplingFields, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, bias in (request.logit_bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 9 else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestError(
+                f"logit_bias: {key[:32]!r} is not a token id of this model"
+                + (f" (0 to {vocab_size - 1})" if vocab_size else ""),
+                "logit_bias",
+                "invalid_value",
+            )
+        pairs.append((token, bias))
+    return tuple(pairs)
+
+
 def sampling_params(
-    request: SamplingFields, prompt_len: int, max_context: int, default_max: int
+    request: SamplingFields,
+    prompt_len: int,
+    max_context: int,
+    default_max: int,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """Sampling parameters for a prompt of ``prompt_len`` tokens, or :class:`RequestError`.
+    """Sampling parameters (of the first choice: :func:`choice_params` gives the others) for a
+    prompt of ``prompt_len`` tokens, or :class:`RequestError`.
 
     ``default_max`` is the function's ``maxTokens``: the default and the cap of ``max_tokens``
-    (a request asking for more than the context holds is still an error).
+    (a request asking for more than the context holds is still an error). ``vocab_size``
+    bounds the token ids of ``logit_bias``.
     """
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     if prompt_len >= max_context:
         raise RequestError(
             f"the prompt has {prompt_len} tokens and leaves no room in the model's context of "
-            f"{max_context} tokens"
+            f"{max_context} tokens",
+            None,
+            "context_length_exceeded",
         )
     max_tokens = request.max_tokens or min(default_max, max_context - prompt_len)
     if max_tokens < 1 or prompt_len + max_tokens > max_context:
         raise RequestError(
             f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it exceeds the model's "
-            f"context of {max_context} tokens"
+            f"context of {max_context} tokens",
+            "max_tokens",
+            "context_length_exceeded",
         )
     max_tokens = min(max_tokens, default_max)
+    if request.min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens: {request.min_tokens} is more than max_tokens ({max_tokens})",
+            "min_tokens",
+            "invalid_value",
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -249,110 +476,30 @@ def sampling_params(
             # such a temperature is greedy decoding in all but name.
             temperature=request.temperature if request.temperature >= MIN_TEMPERATURE else 0.0,
             top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            min_p=request.min_p,
             seed=request.seed,
-            stop=stop,
+            stop=request.stop_strings,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=_logit_bias(request, vocab_size),
+            min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs_k(),
+            prompt_logprobs=request.prompt_logprobs_k(),
         )
     except ValueError as exc:
-        raise RequestError(str(exc)) from None
+        raise RequestError(str(exc), None, "invalid_value") from None
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A finished completion (what ``context.model`` returns to a handler)."""
-
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str | None
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens``."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def completion_body(rid: str, model: str, chat: bool, done: Completion) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` / ``text_completion`` response."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
-    }
-
-
-def sse_event(payload: Any) -> bytes:
-    """One server-sent event carrying ``payload`` as JSON (or the literal ``[DONE]``)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n".encode()
-
-
-async def sse_chunks(
-    stream: AsyncIterator[StepOutput],
-    rid: str,
-    model: str,
-    chat: bool,
-    prompt_tokens: int,
-    include_usage: bool = False,
-) -> AsyncIterator[bytes]:
-    """OpenAI streaming chunks for one request, then ``[DONE]``.
-
-    The chunk with the finish reason carries ``usage`` (an Ember extension clients have
-    relied on). With ``include_usage`` (``stream_options.include_usage``) it is OpenAI's
-    form instead: every chunk has ``"usage": null`` and one last chunk, with no choices,
-    carries the usage. A stream that fails ends with one error event and no usage.
-    """
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    n = 0
-    cached = 0
-
-    def usage() -> dict[str, Any]:
-        return usage_body(prompt_tokens, n, cached)
-
-    def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
-        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model}
-        body["choices"] = choices
-        if usage is not None or include_usage:
-            body["usage"] = usage
-        return sse_event(body)
-
-    def chunk(delta: str | None, reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["delta"] = {"content": delta} if delta is not None else {"role": "assistant"}
-        else:
-            choice["text"] = delta or ""
-        return event([choice], usage() if reason and not include_usage else None)
-
-    if chat:
-        yield chunk(None, None)
-    try:
-        async for out in stream:
-            n += 1
-            cached = out.cached_tokens
-            reason = out.finish_reason.value if out.finish_reason else None
-            if out.text_delta or reason:
-                yield chunk(out.text_delta, reason)
-    except RequestFailed as exc:  # one error event, as OpenAI streams do
-        yield sse_event({"error": {"type": exc.code, "message": str(exc)}})
-    else:
-        if include_usage:
-            yield event([], usage())
-    yield sse_event("[DONE]")
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice ``index`` of ``n``: the first choice's with seed ``seed + index``
+    (mod 2**64, kept in the range torch takes), so choices differ and a seeded request repeats.
+    Only the first choice asks for prompt log-probabilities (they are the same for all)."""
+    if index == 0:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index) % SEED_MOD
+    return replace(params, seed=seed, prompt_logprobs=None)

@@ -58,7 +58,8 @@ from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.messages import AssignMessage
-from runtime.openai_api import RequestError, completion_body, parse_request
+from runtime.openai_api import CompletionRequest, RequestError, parse_request
+from runtime.openai_response import completion_body
 from runtime.worker import WorkerState, assign
 from runtime.worker_guard import BodyLimit
 
@@ -260,11 +261,12 @@ async def _activate(action: ActionState, activation: Activation) -> dict[str, An
         try:
             request = parse_request(params, chat)
             ids, sampling = await a.binding.prepare(request)
-            done = await a.binding.complete(ids, sampling)
+            done = await a.binding.complete(ids, sampling, request.n)
         except RequestError as exc:
             raise ActionError(400, str(exc)) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{activation.activation_id}"
-        return completion_body(rid, a.name, chat, done)
+        echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
+        return completion_body(rid, a.name, chat, done, echo)
     try:
         result = await a.runner.invoke(params, activation.activation_id, activation.deadline, activation.env)
         if hasattr(result, "__aiter__"):

@@ -38,18 +38,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
-from runtime.errors import EmberRuntimeError
+from runtime.errors import EmberRuntimeError, error_body
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
-from runtime.openai_api import (
-    RequestError,
-    completion_body,
-    parse_request,
-    sse_chunks,
-    sse_event,
-)
+from runtime.openai_api import CompletionRequest, RequestError, parse_request
+from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
 from runtime.process import set_idle_priority
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
@@ -109,8 +104,15 @@ class WorkerState:
             self.assignment = None
 
 
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+def _error(
+    status: int, kind: str, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """Every error answer of the worker: OpenAI's error object (:func:`runtime.errors.error_body`)."""
+    return JSONResponse(error_body(kind, message, param, code), status_code=status)
+
+
+def _bad_request(exc: RequestError) -> JSONResponse:
+    return _error(400, "invalid_request_error", str(exc), exc.param, exc.code)
 
 
 async def _json(raw: Request) -> Any:
@@ -284,17 +286,19 @@ def build_app(state: WorkerState) -> FastAPI:
             request = parse_request(body, chat)
             ids, params = await a.binding.prepare(request)
         except RequestError as exc:
-            return _error(400, "invalid_request_error", str(exc))
+            return _bad_request(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
+        streams = a.binding.streams(ids, params, request.n)
+        reporter = a.binding.reporter(params)
         if request.stream:
-            stream = a.binding.engine.stream(ids, params)
-            chunks = sse_chunks(stream, rid, a.name, chat, len(ids), request.include_usage)
+            chunks = sse_chunks(streams, rid, a.name, chat, ids, request.include_usage, reporter, echo)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            done = await a.binding.complete(ids, params)
+            done = await collect(streams, ids, reporter)
         except RequestFailed as exc:
             return _failed(exc)
-        return completion_body(rid, a.name, chat, done)
+        return completion_body(rid, a.name, chat, done, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:
@@ -323,7 +327,7 @@ def build_app(state: WorkerState) -> FastAPI:
         try:
             result = await a.runner.invoke(event, rid, deadline)
         except RequestError as exc:
-            return _error(400, "invalid_request_error", str(exc))
+            return _bad_request(exc)
         except RequestFailed as exc:
             return _failed(exc)
         except Exception as exc:  # the function's own code failed

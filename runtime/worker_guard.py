@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.errors import error_body
+
 TOKEN_HEADER = "x-ember-worker-token"
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # liveness and readiness: nothing a caller could misuse
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a few MB: far above any prompt that fits a context
@@ -122,7 +124,7 @@ def _replay(messages: list[Message], then: Receive | None = None) -> Receive:
 
 
 async def _reply(send: Send, status: int, kind: str, message: str) -> None:
-    body = json.dumps({"error": {"type": kind, "message": message}}).encode()
+    body = json.dumps(error_body(kind, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -82,6 +82,6 @@ def assert_error(response: RawResponse, status: int, kind: str) -> str:
     assert response.status == status, (response.status, response.body)
     assert response.headers["content-type"].startswith("application/json"), response.headers
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message", "param", "code"}, body
     assert body["error"]["type"] == kind, body
     return str(body["error"]["message"])

@@ -186,7 +186,9 @@ class BlockManager:
         return hashes
 
     def _match(self, seq: Sequence) -> _Match:
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            # A request for prompt log-probabilities needs the logits of every prompt
+            # position: its prompt is computed whole, not reused.
             return _Match(0, [])
         limit = (len(seq) - 1) // self.block_size  # the last token is always computed
         hits: list[int] = []

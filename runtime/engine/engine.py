@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.sampling import SamplingParams
+from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import EngineError, KVCacheExhausted, Scheduler, SchedulerConfig
 from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 from runtime.models.llama import LlamaModel
@@ -44,6 +44,9 @@ class StepOutput:
     error: str | None = None
     error_code: str | None = None  # "kv_cache_exhausted" or "engine_error" with FinishReason.ERROR
     cached_tokens: int = 0  # prompt tokens whose KV was reused (usage.prompt_tokens_details)
+    logprob: TokenLogprob | None = None  # the token's, when its request asked (params.logprobs)
+    # On a request's first output, when it asked (params.prompt_logprobs): one per prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ class Engine:
             prefix_caching=self.config.prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.blocks)
-        self.runner = ModelRunner(model, kv_blocks, self.config.block_size)
+        self.runner = ModelRunner(model, kv_blocks, self.config.block_size, eos_ids)
         self.max_context = model.config.max_position_embeddings
         self.seqs: dict[int, Sequence] = {}
         self._text: dict[int, _TextState] = {}
@@ -123,13 +126,14 @@ class Engine:
         if not seqs:
             return []
         try:
-            tokens = self.runner.run(seqs)
+            sampled = self.runner.run(seqs)
         except Exception as exc:  # a bug or a broken input: fail this batch, keep the engine alive
             log.exception("engine step failed; failing its %d requests", len(seqs))
             return [self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}") for seq in seqs]
         outputs = []
         now = time.monotonic()
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, (token, logprob) in zip(seqs, sampled, strict=True):
+            first = not seq.output_ids
             self.blocks.commit(seq)  # before the new token: only what this pass wrote is cached
             seq.output_ids.append(token)
             if seq.first_token_at is None:
@@ -139,7 +143,11 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.runner.forget(seq)
-            outputs.append(StepOutput(seq.seq_id, token, delta, reason, cached_tokens=seq.cached_tokens or 0))
+            out = StepOutput(seq.seq_id, token, delta, reason, cached_tokens=seq.cached_tokens or 0)
+            out.logprob = logprob
+            if first:
+                out.prompt_logprobs = seq.prompt_logprobs
+            outputs.append(out)
             self._deliver(outputs[-1])
         return outputs
 
@@ -255,7 +263,10 @@ class Engine:
         ids = seq.output_ids[:-1] if eos else seq.output_ids
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
         reason: FinishReason | None = FinishReason.STOP if eos else None
-        hits = [full.find(stop, max(0, len(state.emitted) - len(stop) + 1)) for stop in params.stop]
+        # Before min_tokens no stop string ends the output (vLLM's rule), so none is looked for
+        # or held back: one completed earlier is plain text.
+        stops = params.stop if len(seq.output_ids) >= params.min_tokens else ()
+        hits = [full.find(stop, max(0, len(state.emitted) - len(stop) + 1)) for stop in stops]
         if any(at >= 0 for at in hits):  # the earliest stop string wins, whatever its place in the list
             full, reason = full[: min(at for at in hits if at >= 0)], FinishReason.STOP
         if reason is None and len(seq.output_ids) >= params.max_tokens:
@@ -263,7 +274,7 @@ class Engine:
         if reason is None:
             # Hold back a partial UTF-8 character and any tail that may start a stop string.
             full = full.rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in params.stop), default=0)
+            hold = max((len(s) - 1 for s in stops), default=0)
             if hold:
                 full = full[: max(len(state.emitted), len(full) - hold)]
         delta = full[len(state.emitted) :] if full.startswith(state.emitted) else ""

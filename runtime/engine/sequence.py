@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from runtime.engine.sampling import SamplingParams
+from runtime.engine.sampling import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +40,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_at: float | None = None
     error: str | None = None
+    # Per prompt token (None for the first), once computed: only when params.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

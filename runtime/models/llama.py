@@ -134,6 +134,9 @@ class Batch:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: torch.Tensor  # (B, max_blocks) int64
+    # Flat rows whose logits forward returns; None (the default, fast path): the last new
+    # token of each sequence. Set only for requests asking for prompt log-probabilities.
+    logit_rows: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -191,7 +194,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_blocks: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the last new token of each sequence: (B, vocab)."""
+        """Logits (float32) of the last new token of each sequence: (B, vocab). When
+        ``batch.logit_rows`` is set: the final hidden states of those rows, (R, hidden), for
+        :meth:`lm_logits` (a long prompt's logits at once would take R x vocab floats)."""
         cfg = self.config
         device = self.embed.device
         if batch.input_ids.device != device:  # batches are built on the host
@@ -202,8 +207,10 @@ class LlamaModel:
                 batch.query_lens,
                 batch.context_lens,
                 batch.block_tables.to(device),
+                None if batch.logit_rows is None else batch.logit_rows.to(device),
             )
-        if self.cpu_kernels is not None and self.cpu_kernels.wants(batch):
+        # The CPU kernels return last-token logits only: other rows take the torch path.
+        if self.cpu_kernels is not None and batch.logit_rows is None and self.cpu_kernels.wants(batch):
             return self.cpu_kernels.step(kv_blocks)(batch)
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
@@ -239,9 +246,18 @@ class LlamaModel:
             x = x + linear(attn, lw.o)
             h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + linear(F.silu(linear(h, lw.gate)) * linear(h, lw.up), lw.down)
-        last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
+        if batch.logit_rows is not None:
+            last = batch.logit_rows
+        else:
+            last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        if batch.logit_rows is not None:
+            return x
+        return self.lm_logits(x)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of final hidden states (N, hidden): (N, vocab)."""
+        return F.linear(hidden, self.lm_head).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)

@@ -10,18 +10,20 @@ the initializer's result and the time left before the request's deadline. Raisin
 :class:`InvalidEvent` answers HTTP 400; any other exception is a function error (HTTP 500).
 """
 
-from runtime.openai_api import Completion
 from runtime.openai_api import RequestError as InvalidEvent
+from runtime.openai_response import Choice, Completion, Logprob
 from runtime.sdk.context import LLM, Context, init
 from runtime.sdk.handler import HandlerError, HandlerRunner, load_handler
 
 __all__ = [
     "LLM",
+    "Choice",
     "Completion",
     "Context",
     "HandlerError",
     "HandlerRunner",
     "InvalidEvent",
+    "Logprob",
     "init",
     "load_handler",
 ]

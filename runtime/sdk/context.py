@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.instance import ModelBinding
-from runtime.openai_api import ChatRequest, Completion, CompletionRequest, parse_request
+from runtime.openai_api import ChatRequest, CompletionRequest, RequestError, parse_request
+from runtime.openai_response import Completion
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 INIT_ATTRIBUTE = "__ember_init__"
@@ -31,9 +32,21 @@ def init(static: bool | None = None) -> Callable[[_F], _F]:
 class LLM:
     """The instance's model for handlers: ``complete``/``chat`` (and ``a``-prefixed async forms).
 
-    Keyword arguments are OpenAI sampling fields (``max_tokens``, ``temperature``, ``top_p``,
-    ``seed``, ``stop``, penalties); invalid ones raise :class:`runtime.openai_api.RequestError`,
-    which the worker answers with HTTP 400.
+    Keyword arguments are the request fields of ``/v1/chat/completions`` (``chat``) and
+    ``/v1/completions`` (``complete``), validated as those routes validate them: ``max_tokens``
+    / ``max_completion_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``,
+    ``logit_bias``, penalties, ``logprobs`` (and ``top_logprobs`` for chat), vLLM's ``top_k``,
+    ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. ``stream`` is refused
+    (the result is one :class:`~runtime.openai_response.Completion`). Invalid ones raise
+    :class:`runtime.openai_api.RequestError`, which the worker answers with HTTP 400.
+
+    A :class:`~runtime.openai_response.Completion` carries the first choice's ``text``,
+    ``finish_reason`` and ``logprobs`` (a tuple of :class:`~runtime.openai_response.Logprob`:
+    ``token``, ``bytes``, ``logprob``, ``top_logprobs``; None unless asked), every choice in
+    ``choices``, usage counts over all choices and, for ``complete(..., echo=True,
+    logprobs=k)``, the prompt's ``prompt_logprobs`` (``text`` never includes the prompt).
+    Messages take the routes' forms too: ``content`` as a string or a list of text parts,
+    roles ``system``, ``developer``, ``user``, ``assistant`` (with ``tool_calls``), ``tool``.
     """
 
     def __init__(self, binding: ModelBinding, loop: asyncio.AbstractEventLoop) -> None:
@@ -49,7 +62,7 @@ class LLM:
         request = parse_request({"prompt": prompt, **sampling}, chat=False)
         return await self._run(request)
 
-    async def achat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
+    async def achat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         request = parse_request({"messages": messages, **sampling}, chat=True)
         return await self._run(request)
 
@@ -57,13 +70,17 @@ class LLM:
         """Blocking form of :meth:`acomplete` (for plain, non-async handlers)."""
         return self._block(self.acomplete(prompt, **sampling))
 
-    def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
+    def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Blocking form of :meth:`achat` (for plain, non-async handlers)."""
         return self._block(self.achat(messages, **sampling))
 
     async def _run(self, request: ChatRequest | CompletionRequest) -> Completion:
+        if request.stream:
+            raise RequestError(
+                "stream: context.model returns one Completion", "stream", "unsupported_parameter"
+            )
         ids, params = await self._binding.prepare(request)
-        return await self._binding.complete(ids, params)
+        return await self._binding.complete(ids, params, request.n)
 
     def _block(self, coro: Any) -> Completion:
         if threading.get_ident() == self._loop_thread:

@@ -4,7 +4,8 @@ One ``ember serve`` (the module's ``server``) with SmolLM2 deployed once; each t
 category of mistake (malformed YAML, unknown fields, bad names, unknown model sources,
 unknown functions, prompts longer than the context, invalid sampling parameters, broken
 JSON, missing ``model``, bad ``messages``, a bad ``X-Ember-Timeout``) and checks the status,
-the ``{"error": {"type", "message"}}`` body and that the message names the culprit. A second
+OpenAI's ``{"error": {"type", "message", "param", "code"}}`` body and that the message
+names the culprit. A second
 server with an API key checks authentication. Last, bounded fuzzing: schemathesis against
 ``/openapi.json`` (paths, queries), then Hypothesis-made request bodies (OpenAI requests,
 events, function specs), neither of which may get a 5xx.
@@ -41,7 +42,7 @@ def assert_error(response: httpx.Response, status: int, kind: str, *names: str) 
     assert response.status_code == status, f"{response.status_code} {response.text}"
     assert response.headers["content-type"].startswith("application/json"), response.headers
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message", "param", "code"}, body
     assert body["error"]["type"] == kind, body
     message = str(body["error"]["message"])
     for name in names:
@@ -275,7 +276,11 @@ def test_bad_messages(http: httpx.Client, deployed: str) -> None:
     for messages, named in (
         ([], "messages"),
         ([{"role": "wizard", "content": "hi"}], "messages.0.role"),
-        ([*HELLO, {"role": "tool", "content": "hi"}], "messages.1.role"),
+        ([*HELLO, {"role": "tool", "content": "hi"}], "messages.1.tool_call_id"),
+        (
+            [*HELLO, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages.1.content.0.type",
+        ),
         ([{"content": "no role"}], "messages.0.role"),
         ([{"role": "user"}], "messages.0.content"),
         ("Say hello.", "messages"),

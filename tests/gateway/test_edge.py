@@ -293,7 +293,7 @@ def test_errors_keep_the_connection_alive(edge: ServeProcess) -> None:
 
 
 def test_unknown_routes_and_methods_answer_embers_error_body(edge: ServeProcess) -> None:
-    """Not FastAPI's ``{"detail": ...}``: every error is ``{"error": {"type", "message"}}``."""
+    """Not FastAPI's ``{"detail": ...}``: every error is OpenAI's ``{"error": {...}}``."""
     with connect(edge.url) as sock:
         for raw, status, kind in (
             (request_bytes("GET", "/v1/nothing-here"), 404, "not_found"),

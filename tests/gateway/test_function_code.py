@@ -82,6 +82,8 @@ def test_handler_paths_outside_the_function_are_refused_uniformly(
             assert bad.status_code == 400, bad.text
             assert bad.json()["error"] == {
                 "type": "invalid_function_spec",
+                "code": "invalid_function_spec",
+                "param": None,
                 "message": f"spec.handler: handler module not found or not allowed: {handler} "
                 "(upload it with the spec: `ember deploy -f FILE.yaml` sends the module beside the YAML)",
             }

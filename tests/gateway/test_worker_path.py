@@ -56,6 +56,8 @@ def test_forwarded_requests_carry_the_instance_credential_which_is_never_shown(
     assert direct.json()["error"]["type"] == "unauthorized"
     (device,) = http.get("/v1/cluster").json()["devices"].values()
     assert device["worker_failures"] == 0 and device["backoff_s"] == 0  # workers start fine
-    unimplemented = http.post("/v1/chat/completions", json={**ask, "n": 3})
-    assert unimplemented.status_code == 400 and unimplemented.json()["error"]["message"].startswith("n:")
+    unimplemented = http.post("/v1/chat/completions", json={**ask, "best_of": 3})
+    error = unimplemented.json()["error"]
+    assert unimplemented.status_code == 400 and error["message"].startswith("best_of:")
+    assert (error["param"], error["code"]) == ("best_of", "unsupported_parameter")  # through the gateway
     assert http.delete("/v1/functions/guarded").status_code == 204

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from gpu_pool.client import PoolClient
 from runtime.engine.build import PoolKV, PrivateKV, build_engine
-from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.engine import Engine, EngineConfig, StepOutput
 from runtime.engine.kv_storage import kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
@@ -453,3 +453,86 @@ def test_a_later_instance_restores_the_prefix_a_finished_one_published(
     with PoolClient(pool.socket_path) as client:  # prefix sharing off: nothing restored
         alone = make_engine(tiny, client)
         assert alone.generate([later_prompt], GREEDY)[0].cached_tokens == 0
+
+
+def _run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[StepOutput]:
+    seq_id = engine.add_request(prompt, params)
+    outs: list[StepOutput] = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.seq_id == seq_id]
+    return outs
+
+
+def test_prompt_logprobs_match_the_logprobs_of_generating_those_tokens(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """Echo's prompt log-probabilities (every prompt position's logits, asked for per request)
+    agree with the log-probabilities the same tokens had when generated, even when the prompt's
+    prefix is in the prefix cache (such a request computes its prompt whole)."""
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        prompt = prompts(1)[0] * 3  # several full blocks: cacheable
+        outs = _run(engine, prompt, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2))
+        generated = [o.token_id for o in outs]
+        assert all(o.logprob is not None and len(o.logprob.top) == 2 for o in outs)
+        assert all(o.logprob is not None and o.logprob.top[0][0] == o.token_id for o in outs)  # greedy
+        assert outs[0].prompt_logprobs is None  # not asked: not computed
+        echo = _run(
+            engine, prompt + generated[:3], SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+        )
+        lps = echo[0].prompt_logprobs
+        assert lps is not None and len(lps) == len(prompt) + 3 and lps[0] is None
+        for got, want in zip(lps[-3:], outs[:3], strict=True):
+            assert got is not None and want.logprob is not None
+            assert got.token_id == want.token_id
+            assert got.logprob == pytest.approx(want.logprob.logprob, abs=1e-4)
+        assert echo[0].token_id == generated[3]  # the continuation is unchanged
+
+
+def test_min_tokens_holds_off_eos_and_stop_strings(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        prompt = prompts(1)[0]
+        forced_eos = SamplingParams(max_tokens=10, logit_bias=((2, 100.0),))
+        assert len(_run(engine, prompt, forced_eos)) == 1  # EOS at once
+        outs = _run(engine, prompt, SamplingParams(**{**_fields(forced_eos), "min_tokens": 4}))
+        assert [o.token_id == 2 for o in outs] == [False] * 4 + [True]
+        assert outs[-1].finish_reason is FinishReason.STOP
+        free = SamplingParams(max_tokens=8, ignore_eos=True)
+        text = "".join(o.text_delta for o in _run(engine, prompt, free))
+        stop = SamplingParams(**{**_fields(free), "stop": (text[:1],)})
+        assert len(_run(engine, prompt, stop)) < 8
+        held = _run(engine, prompt, SamplingParams(**{**_fields(stop), "min_tokens": 8}))
+        assert len(held) == 8 and "".join(o.text_delta for o in held) == text
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_merged_choice_streams_closed_early_abort_every_choice(
+    tiny: RegisteredModel, pool: PoolProcess, n: int
+) -> None:
+    """``n`` choices are ``n`` sequences: a client that goes away frees them all at once."""
+    import asyncio
+
+    from runtime.openai_response import merge
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+
+        async def run() -> set[int]:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                params = SamplingParams(max_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
+                merged = merge([engine.stream(prompts(1)[0], params) for _ in range(n)])
+                seen = set()
+                async for i, _ in merged:
+                    seen.add(i)
+                    if len(seen) == n:
+                        break
+                await merged.aclose()  # type: ignore[attr-defined]
+                assert not engine.scheduler.running and not engine.scheduler.waiting
+                return seen
+            finally:
+                driver.cancel()
+
+        assert asyncio.run(run()) == set(range(n))
+        assert engine.blocks.num_held == 0 and engine.seqs == {}

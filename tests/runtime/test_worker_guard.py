@@ -106,11 +106,11 @@ def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: t
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", 2), ("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
-     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}),
+    [("n", 17), ("logprobs", 1), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
+     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"99999": 5}),
      ("functions", [{"name": "f"}]), ("function_call", "auto"), ("echo", True), ("best_of", 3),
      ("suffix", "!"), ("reasoning_effort", "low"), ("service_tier", "flex"), ("store", True),
-     ("verbosity", "high"), ("web_search_options", {}), ("top_k", 40),
+     ("verbosity", "high"), ("web_search_options", {}), ("top_k", -2),
      ("stream_options", {"include_usage": True})],  # without stream: true
 )  # fmt: skip
 def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
@@ -120,7 +120,11 @@ def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
         assert resp.status_code == 400
-        assert resp.json()["error"]["message"].startswith(f"{field}:")
+        error = resp.json()["error"]
+        assert error["message"].startswith(f"{field}:")
+        # OpenAI's error object: the field at fault is its param.
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == field
         harmless = {"n": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "logprobs": False,
                     "service_tier": "auto", "prompt_cache_key": "c", "safety_identifier": "s"}  # fmt: skip
         assert http.post("/v1/chat/completions", json={**CHAT, **harmless}).status_code == 200
