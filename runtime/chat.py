@@ -18,6 +18,9 @@ class ChatTemplate:
     def __init__(self, template: str | None, tokenizer_config: dict[str, Any]) -> None:
         self.tokenizer_config = tokenizer_config
         self._compiled: Any = None
+        # Templates written for tool calling read a ``tools`` variable; others get the tools
+        # described in a system message by runtime.openai_tools (its generic format).
+        self.supports_tools = bool(template) and "tools" in (template or "")
         if template:
             from jinja2 import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,7 +36,7 @@ class ChatTemplate:
             except TemplateError as exc:
                 raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt for ``messages`` with the assistant's turn opened (add_generation_prompt)."""
         if self._compiled is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
@@ -43,6 +46,7 @@ class ChatTemplate:
             return str(
                 self._compiled.render(
                     messages=messages,
+                    tools=tools,
                     add_generation_prompt=True,
                     bos_token=self.tokenizer_config.get("bos_token") or "",
                     eos_token=self.tokenizer_config.get("eos_token") or "",

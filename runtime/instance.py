@@ -29,7 +29,10 @@ from runtime.openai_api import (
     check_prompt_chars,
     sampling_params,
 )
+from runtime.openai_tools import StructuredPlan, chat_messages
 from runtime.registry import RegisteredModel, load
+from runtime.structured.cache import GrammarCache
+from runtime.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -105,16 +108,32 @@ class ModelBinding:
     max_tokens_default: int
     acquire_report: AcquireReport  # what the pool's acquire of the weights cost
     timings_ms: dict[str, float] = field(default_factory=dict)
+    grammars: GrammarCache | None = None  # built by the first constrained request
 
-    def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
-        """Token ids of a chat (rendered with the model's template) or completion prompt."""
+    def encode(
+        self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
+    ) -> list[int]:
+        """Token ids of a chat (rendered with the model's template, with the tools that
+        ``plan`` offers) or completion prompt."""
         if isinstance(request, ChatRequest):
-            return self.encode_chat([m.model_dump() for m in request.messages])
+            dumped = [m.model_dump(exclude_none=True) for m in request.messages]
+            messages, tools = chat_messages(dumped, plan, self.template.chat.supports_tools)
+            return self.encode_chat(messages, tools)
         return self.encode_text(request.prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def constraint(self, plan: StructuredPlan | None) -> Constraint | None:
+        """The decoding constraint of ``plan`` (None: unconstrained); compiling runs in a thread."""
+        if plan is None or plan.spec is None:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarCache(self.template.tokenizer, self.template.eos_ids)
+        return await asyncio.to_thread(self.grammars.constraint, plan.spec)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         try:
-            text = self.template.chat.render(messages)
+            text = self.template.chat.render(messages, tools)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from None
         return self.encode_text(text)
@@ -128,24 +147,28 @@ class ModelBinding:
     def params(self, request: ChatRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
         return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default)
 
-    async def prepare(self, request: ChatRequest | CompletionRequest) -> tuple[list[int], SamplingParams]:
+    async def prepare(
+        self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
+    ) -> tuple[list[int], SamplingParams]:
         """Token ids and sampling parameters of ``request``, or :class:`RequestError`.
 
         A prompt far beyond the context is rejected before tokenizing (by its length in
         characters), and tokenizing runs in a thread: the event loop keeps serving.
         """
         if isinstance(request, ChatRequest):
-            chars = sum(len(m.content) for m in request.messages)
+            chars = sum(len(m.content or "") for m in request.messages)
         else:
             chars = len(request.prompt)
         check_prompt_chars(chars, self.engine.max_context)
-        ids = await asyncio.to_thread(self.encode, request)
+        ids = await asyncio.to_thread(self.encode, request, plan)
         return ids, self.params(request, len(ids))
 
-    async def complete(self, ids: list[int], params: SamplingParams) -> Completion:
+    async def complete(
+        self, ids: list[int], params: SamplingParams, constraint: Constraint | None = None
+    ) -> Completion:
         """Run one request to completion."""
         text, n, reason, cached = "", 0, None, 0
-        async for out in self.engine.stream(ids, params):
+        async for out in self.engine.stream(ids, params, constraint):
             text += out.text_delta
             n += 1
             reason = out.finish_reason

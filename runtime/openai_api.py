@@ -38,6 +38,7 @@ from pydantic import (
 from runtime.engine.engine import StepOutput
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import RequestFailed
+from runtime.openai_tools import ResponseFormat, Tool, ToolChoice
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # A prompt longer than this many characters per context token cannot fit (no tokenizer packs
@@ -63,11 +64,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": _is_default(False),
     "suffix": _is_default(""),
     "logit_bias": _is_empty,
-    "tools": _is_empty,
     "functions": _is_empty,
-    "tool_choice": _is_default("none"),
     "function_call": _is_default("none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _is_default(),
     "prediction": _is_default(),
@@ -86,8 +84,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # others appear when a client replays an assistant message it received.
 UNSUPPORTED_IN_MESSAGE: dict[str, Callable[[Any], bool]] = {
     "name": _is_default(),
-    "tool_calls": _is_empty,
-    "tool_call_id": _is_default(),
     "function_call": _is_default(),
     "refusal": _is_default(),
     "audio": _is_default(),
@@ -115,8 +111,10 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)  # runtime.openai_tools
+    tool_call_id: Identifier | None = None
 
 
 class StreamOptions(BaseModel):
@@ -168,6 +166,10 @@ class SamplingFields(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Structured outputs and tools: runtime.openai_tools (constrained by runtime.structured).
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: ToolChoice | None = None
 
 
 class CompletionRequest(SamplingFields):

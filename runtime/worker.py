@@ -50,10 +50,13 @@ from runtime.openai_api import (
     sse_chunks,
     sse_event,
 )
+from runtime.openai_tool_stream import tool_sse_chunks
+from runtime.openai_tools import request_plan, tool_message
 from runtime.process import set_idle_priority
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
+from runtime.structured import StructuredError
 from runtime.worker_guard import GuardConfig, WorkerGuard
 
 DEFAULT_HANDLER = "default"
@@ -274,19 +277,26 @@ def build_app(state: WorkerState) -> FastAPI:
                 return body
         try:
             request = parse_request(body, chat)
-            ids, params = await a.binding.prepare(request)
-        except RequestError as exc:
+            plan = request_plan(request)  # response_format / tools (runtime.openai_tools)
+            ids, params = await a.binding.prepare(request, plan)
+            constraint = await a.binding.constraint(plan)
+        except (RequestError, StructuredError) as exc:
             return _error(400, "invalid_request_error", str(exc))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        tools = plan is not None and plan.calls_tools
         if request.stream:
-            stream = a.binding.engine.stream(ids, params)
-            chunks = sse_chunks(stream, rid, a.name, chat, len(ids), request.include_usage)
+            stream = a.binding.engine.stream(ids, params, constraint)
+            if plan is not None and tools:
+                chunks = tool_sse_chunks(stream, rid, a.name, len(ids), plan, request.include_usage)
+            else:
+                chunks = sse_chunks(stream, rid, a.name, chat, len(ids), request.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            done = await a.binding.complete(ids, params)
+            done = await a.binding.complete(ids, params, constraint)
         except RequestFailed as exc:
             return _failed(exc)
-        return completion_body(rid, a.name, chat, done)
+        body = completion_body(rid, a.name, chat, done)
+        return tool_message(body, plan) if plan is not None and tools else body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:

@@ -43,6 +43,8 @@ class ModelRunner:
         out = []
         for i, seq in enumerate(seqs):
             seq.num_cached = len(seq)
+            if seq.constraint is not None:  # only constrained requests pay for a mask
+                seq.constraint.mask_logits(logits[i])
             out.append(sample(logits[i], seq.params, seq.output_ids, self._generator(seq)))
         return out
 
