@@ -80,7 +80,9 @@ def test_random_logits_give_schema_valid_json(
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31))
-def test_json_object_mode_gives_an_object(grammars: GrammarCache, smollm2_tokenizer: Tokenizer, seed: int) -> None:
+def test_json_object_mode_gives_an_object(
+    grammars: GrammarCache, smollm2_tokenizer: Tokenizer, seed: int
+) -> None:
     text = decode(grammars, smollm2_tokenizer, json_object_spec(), seed, limit=300)
     assert isinstance(json.loads(text), dict)
 
@@ -99,7 +101,9 @@ def test_tool_call_arguments_validate_against_parameters(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mask_is_applied_in_place_and_forbids_padding_rows(grammars: GrammarCache, dtype: torch.dtype) -> None:
+def test_mask_is_applied_in_place_and_forbids_padding_rows(
+    grammars: GrammarCache, dtype: torch.dtype
+) -> None:
     c = grammars.constraint(json_schema_spec(PERSON, strict=True))
     batch = torch.zeros(2, grammars.vocab_size + 64, dtype=dtype)  # a model may pad its output rows
     c.mask_logits(batch[1])
@@ -115,7 +119,9 @@ def test_cache_reuses_compiled_grammars_and_is_bounded(smollm2_tokenizer: Tokeni
     spec = json_schema_spec(PERSON, strict=True)
     assert cache.compiled(spec) is cache.compiled(spec)
     for n in range(3):
-        cache.compiled(json_schema_spec({"type": "object", "properties": {f"k{n}": {"type": "integer"}}}, True))
+        cache.compiled(
+            json_schema_spec({"type": "object", "properties": {f"k{n}": {"type": "integer"}}}, True)
+        )
     assert len(cache) == 2
     # Copies are independent: one sequence's progress does not move another's.
     a, b = cache.constraint(spec), cache.constraint(spec)
