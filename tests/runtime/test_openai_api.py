@@ -35,13 +35,20 @@ PROMPT: dict[str, Any] = {"prompt": "hello"}
         ("n", 2),
         ("n", True),  # not the integer 1
         ("logprobs", 0),  # legacy completions: the sampled token's logprob
-        ("tool_choice", "auto"),
     ],
 )
 def test_fields_ember_does_not_implement_are_named(field: str, value: Any) -> None:
     for body, chat in ((CHAT, True), (PROMPT, False)):
         with pytest.raises(RequestError, match=rf"^{field}: Ember does not implement this field$"):
             parse_request({**body, field: value}, chat)
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "response_format"])
+def test_chat_only_fields_are_400s_on_completions(field: str) -> None:
+    """Structured outputs and tools are chat fields (runtime.openai_tools): refused on completions."""
+    value = {"tools": [], "tool_choice": "auto", "response_format": {"type": "json_object"}}[field]
+    with pytest.raises(RequestError, match=rf"^{field}: unrecognized request field$"):
+        parse_request({**PROMPT, field: value}, chat=False)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +86,11 @@ def test_unknown_fields_are_400s_naming_them(extra: dict[str, Any], where: str) 
 def test_message_keys_are_checked_too() -> None:
     replayed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "name": None}
     request = parse_request({"messages": [replayed, {"role": "user", "content": "again"}]}, chat=True)
-    assert request.messages[0].model_dump() == {"role": "assistant", "content": "hi"}
+    assert request.messages[0].model_dump(exclude_none=True) == {
+        "role": "assistant",
+        "content": "hi",
+        "tool_calls": [],
+    }
     named = {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}
     with pytest.raises(RequestError, match=r"^messages\.0\.name: Ember does not implement this field$"):
         parse_request(named, chat=True)
