@@ -300,11 +300,12 @@ def split_calls(text: str, plan: StructuredPlan) -> tuple[str | None, list[ToolC
 
 
 def tool_message(body: dict[str, Any], plan: StructuredPlan) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` body with its calls as ``tool_calls`` (and
-    ``finish_reason: tool_calls``) when the output made any."""
+    """A non-streaming ``chat.completion`` body with its calls as ``tool_calls`` when the
+    output made any (``finish_reason: tool_calls``, or ``length`` when max_tokens ended it)."""
     choice = body["choices"][0]
     content, calls = split_calls(choice["message"]["content"] or "", plan)
-    if calls and choice["finish_reason"] == "stop":
+    if calls:  # complete calls are returned even when max_tokens cut a later one short
         choice["message"] = {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
-        choice["finish_reason"] = "tool_calls"
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
     return body
