@@ -11,9 +11,11 @@ grammar constrains decoding, and how tool calls are read back out of the generat
   chat template that reads ``tools`` gets them; any other template gets them described in a
   system message, in the generic format below (SmolLM2's template has no tool support).
 * ``tool_choice``: ``none`` (tools are not shown and no call is made), ``auto`` (the model
-  chooses; ``<tool_call>`` blocks in its output are returned as calls), ``required`` and a
-  named function (decoding is constrained to calls whose arguments are valid against the
-  function's ``parameters``). ``parallel_tool_calls: false`` allows one call.
+  chooses: free text, or, once its output opens with ``<tool_call>``, decoding is held to
+  calls whose arguments are valid; ``<tool_call>`` blocks later in a text answer are read as
+  calls when they parse), ``required`` and a named function (decoding is constrained to calls
+  whose arguments are valid against the function's ``parameters``).
+  ``parallel_tool_calls: false`` allows one call.
 
 Generic tool-call format (Hermes/Qwen style), one block per call::
 
@@ -189,7 +191,8 @@ def plan(
         return StructuredPlan(tool_call_spec(chosen, False), defs, "named", False, frozenset(names))
     if choice == "required":
         return StructuredPlan(tool_call_spec(specs, parallel), defs, "required", parallel, frozenset(names))
-    return StructuredPlan(None, defs, "auto", parallel, frozenset(names))
+    auto = tool_call_spec(specs, parallel, allow_text=True)
+    return StructuredPlan(auto, defs, "auto", parallel, frozenset(names))
 
 
 def request_plan(request: object) -> StructuredPlan | None:

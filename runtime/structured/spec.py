@@ -128,9 +128,15 @@ def call_schema(tool: ToolSpec) -> dict[str, Any]:
     }
 
 
-def tool_call_spec(tools: list[ToolSpec], parallel: bool) -> GrammarSpec:
+def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = False) -> GrammarSpec:
     """One tool call (or, with ``parallel``, one or more) of any of ``tools``, in the generic
-    format, whose arguments are valid against the named tool's parameters."""
+    format, whose arguments are valid against the named tool's parameters.
+
+    ``allow_text`` (``tool_choice: auto``): free text is allowed too, as long as it does not
+    open with a ``<tool_call>`` block, even after whitespace (a regular-expression
+    complement); an output that opens with one is held to the call grammar from its first
+    token.
+    """
     if not tools:
         raise ValueError("tool_call_spec needs at least one tool")
     from llguidance import LLMatcher
@@ -145,8 +151,9 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool) -> GrammarSpec:
     lenient = not all(t.strict for t in tools)
     body = json.dumps({**schema, "x-guidance": {**_LAYOUT, "lenient": lenient}})
     repeat = ' ("\\n" call)*' if parallel else ""
+    text = " | TEXT\nTEXT: /(?s:.*)/ & ~/(?s:\\s*<tool_call>.*)/" if allow_text else ""
     lark = (
-        f"start: call{repeat}\n"
+        f"start: call{repeat}{text}\n"
         f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
         f"body: %json {body}\n"
     )

@@ -149,3 +149,35 @@ def test_an_unenforceable_strict_schema_is_a_400_naming_it(client: openai.OpenAI
             max_tokens=8,
         )
     assert "response_format.json_schema.schema" in str(info.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_answers_text_or_valid_calls(client: openai.OpenAI, stream: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": FUNCTION,
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 48,
+    }
+    if stream:
+        deltas = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+        text = "".join(d.delta.content or "" for d in deltas)
+        calls = [tc for d in deltas for tc in d.delta.tool_calls or []]
+        reason = deltas[-1].finish_reason
+        by_index: dict[int, str] = {}
+        for tc in calls:
+            by_index[tc.index] = by_index.get(tc.index, "") + (
+                tc.function.arguments or "" if tc.function else ""
+            )
+        arguments = list(by_index.values())
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, reason = choice.message.content or "", choice.finish_reason
+        arguments = [tc.function.arguments for tc in choice.message.tool_calls or [] if tc.type == "function"]
+    if arguments:
+        assert reason in ("tool_calls", "length")
+        for a in arguments:
+            jsonschema.validate(json.loads(a), WEATHER_PARAMS)
+    else:
+        assert text and "<tool_call>" not in text.lstrip()[:11] and reason in ("stop", "length")

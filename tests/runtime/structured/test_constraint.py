@@ -55,9 +55,10 @@ def decode(grammars: GrammarCache, tok: Tokenizer, spec: Any, seed: int, limit: 
     # Ending and closing tokens are favoured, so random walks finish (nesting stays shallow).
     closing = [EOS] + [i for t in ("}", "]", '"', '"}', '"]', "}}") if (i := tok.token_to_id(t)) is not None]
     out: list[int] = []
-    for _ in range(limit):
+    for step in range(2 * limit):
         logits = torch.randn(grammars.vocab_size, generator=g)
-        logits[closing] += 6.0
+        # Past ``limit`` the walk is steered hard to closing tokens, so every output completes.
+        logits[closing] += 6.0 if step < limit else 60.0
         c.mask_logits(logits)
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
         assert c.accept(token), c.error
@@ -164,3 +165,29 @@ def test_tool_parameter_errors_name_the_tool() -> None:
     with pytest.raises(SchemaError) as info:
         tool_call_spec([bad], parallel=True)
     assert info.value.param == "tools.3.function.parameters"
+
+
+@pytest.mark.parametrize(
+    ("text", "allowed"),
+    [
+        ("The weather in Paris is sunny today.", True),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+            True,
+        ),
+        ('  <tool_call>\n{"name": "get_wea', False),  # a call opens the output or is not one
+        ('<tool_call>\n{"name": "nope"', False),  # once a call opens, it must name a tool
+        ('\n<tool_call>\n{"city": 1}', False),
+    ],
+)
+def test_auto_tool_choice_allows_text_but_holds_calls_to_the_grammar(
+    grammars: GrammarCache, smollm2_tokenizer: Tokenizer, text: str, allowed: bool
+) -> None:
+    c = grammars.constraint(tool_call_spec([WEATHER], parallel=True, allow_text=True))
+    ok = True
+    for token in smollm2_tokenizer.encode(text, add_special_tokens=False).ids:
+        if token not in set(c.allowed().tolist()):
+            ok = False
+            break
+        assert c.accept(token)
+    assert ok is allowed
