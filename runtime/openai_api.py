@@ -6,7 +6,7 @@ share one definition of what a valid request is and how a completion is reported
 No request field is silently ignored. A field is accepted only when Ember honours it or when
 ignoring it cannot change the response (identifiers, prompt-cache hints; see
 :class:`SamplingFields`). OpenAI fields Ember does not implement (``n`` other than 1,
-``logprobs``, ``tools``, ``reasoning_effort``, ``store: true``, ...: :data:`UNSUPPORTED`)
+``logprobs``, ``reasoning_effort``, ``store: true``, ...: :data:`UNSUPPORTED`)
 are answered 400 naming the field, unless they carry the value that means "not used"; any
 other key is answered 400 as unrecognized, as OpenAI does. The same holds for the keys of a
 chat message. ``max_completion_tokens`` is ``max_tokens`` under its newer name (it wins when
@@ -143,7 +143,7 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
     # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache
-    # changes latency, never tokens) and parallel_tool_calls (tools are refused above).
+    # changes latency, never tokens). parallel_tool_calls is honoured by runtime.openai_tools.
     user: Identifier | None = None
     safety_identifier: Identifier | None = None
     metadata: dict[MetadataKey, Identifier] | None = Field(None, max_length=16)

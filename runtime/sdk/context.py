@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.instance import ModelBinding
-from runtime.openai_api import ChatRequest, Completion, CompletionRequest, parse_request
+from runtime.openai_api import ChatRequest, Completion, CompletionRequest, RequestError, parse_request
+from runtime.openai_tools import request_plan
+from runtime.structured import StructuredError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 INIT_ATTRIBUTE = "__ember_init__"
@@ -62,8 +64,15 @@ class LLM:
         return self._block(self.achat(messages, **sampling))
 
     async def _run(self, request: ChatRequest | CompletionRequest) -> Completion:
-        ids, params = await self._binding.prepare(request)
-        return await self._binding.complete(ids, params)
+        try:
+            # response_format / tools as on /v1/chat/completions (tool calls stay in the text,
+            # in runtime.openai_tools' generic format).
+            plan = request_plan(request)
+            ids, params = await self._binding.prepare(request, plan)
+            constraint = await self._binding.constraint(plan)
+        except StructuredError as exc:
+            raise RequestError(str(exc)) from None
+        return await self._binding.complete(ids, params, constraint)
 
     def _block(self, coro: Any) -> Completion:
         if threading.get_ident() == self._loop_thread:

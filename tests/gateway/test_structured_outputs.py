@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -181,3 +182,34 @@ def test_auto_tool_choice_answers_text_or_valid_calls(client: openai.OpenAI, str
             jsonschema.validate(json.loads(a), WEATHER_PARAMS)
     else:
         assert text and "<tool_call>" not in text.lstrip()[:11] and reason in ("stop", "length")
+
+
+SDK_HANDLER = """
+async def handler(event, context):
+    done = await context.model.achat(
+        [{"role": "user", "content": "Name a colour."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": %s}},
+        temperature=0,
+        max_tokens=48,
+    )
+    return {"text": done.text, "finish_reason": done.finish_reason}
+"""
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "hex": {"type": "string", "maxLength": 7}},
+    "required": ["colour", "hex"],
+    "additionalProperties": False,
+}
+
+
+def test_sdk_chat_honours_response_format(server: ServeProcess, tmp_path: Path) -> None:
+    """context.model.achat(response_format=...) is constrained as the HTTP route is."""
+    module = tmp_path / "colour_handler.py"
+    module.write_text(SDK_HANDLER % repr(COLOUR))
+    document = chat_spec("sdk-structured")
+    document["spec"]["handler"] = f"{module}:handler"
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        assert http.post("/v1/functions", json=document).status_code == 201
+        result = http.post("/v1/functions/sdk-structured/invoke", json={}).json()
+    assert result.get("finish_reason") == "stop", result
+    jsonschema.validate(json.loads(result["text"]), COLOUR)
