@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_pool.acquire_report import AcquireReport
 from runtime.chat import ChatTemplate, ChatTemplateError
@@ -31,8 +31,10 @@ from runtime.openai_api import (
 )
 from runtime.openai_tools import StructuredPlan, chat_messages
 from runtime.registry import RegisteredModel, load
-from runtime.structured.cache import GrammarCache
-from runtime.structured.constraint import Constraint
+
+if TYPE_CHECKING:  # torch-importing modules: loaded by the first constrained request only
+    from runtime.structured.cache import GrammarCache
+    from runtime.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ModelBinding:
         if plan is None or plan.spec is None:
             return None
         if self.grammars is None:
+            from runtime.structured.cache import GrammarCache
+
             self.grammars = GrammarCache(self.template.tokenizer, self.template.eos_ids)
         return await asyncio.to_thread(self.grammars.constraint, plan.spec)
 
