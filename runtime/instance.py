@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
 from runtime.chat import ChatTemplate, ChatTemplateError
@@ -31,8 +31,13 @@ from runtime.openai_api import (
     sampling_params,
 )
 from runtime.openai_response import Completion, Reporter, collect
+from runtime.openai_tools import StructuredPlan, chat_messages, request_plan
 from runtime.registry import RegisteredModel, load
 from runtime.token_text import TokenText
+
+if TYPE_CHECKING:  # torch-importing modules: loaded by the first constrained request only
+    from runtime.structured.cache import GrammarCache
+    from runtime.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,20 @@ def warm_up(
     return time.perf_counter() - t0
 
 
+class Prepared(NamedTuple):
+    """A request ready for the engine (:meth:`ModelBinding.prepare_all`)."""
+
+    ids: list[int]  # the prompt's token ids
+    params: SamplingParams  # of the first choice (runtime.openai_api.choice_params: the others)
+    plan: StructuredPlan | None  # response_format / tools; None: free text
+    constraints: list[Constraint] | None  # one per choice; None: unconstrained
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is read for tool calls."""
+        return self.plan is not None and self.plan.calls_tools
+
+
 @dataclass
 class ModelBinding:
     """The engine of one instance plus request encoding in the model's own format."""
@@ -109,12 +128,31 @@ class ModelBinding:
     acquire_report: AcquireReport  # what the pool's acquire of the weights cost
     timings_ms: dict[str, float] = field(default_factory=dict)
     _tokens: TokenText | None = field(default=None, repr=False)  # built on first logprobs request
+    grammars: GrammarCache | None = None  # built by the first constrained request
 
-    def encode(self, request: ChatRequest | CompletionRequest) -> list[int]:
-        """Token ids of a chat (rendered with the model's template) or completion prompt."""
+    def encode(
+        self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
+    ) -> list[int]:
+        """Token ids of a chat (rendered with the model's template, with the tools that
+        ``plan`` offers) or completion prompt."""
         if isinstance(request, ChatRequest):
-            return self.encode_chat(request.template_messages(), request.template_tools())
+            messages, tools = chat_messages(
+                request.template_messages(), plan, self.template.chat.supports_tools
+            )
+            return self.encode_chat(messages, tools)
         return self.encode_text(request.prompt)
+
+    async def constraints(self, plan: StructuredPlan | None, n: int = 1) -> list[Constraint] | None:
+        """The decoding constraint of ``plan`` for each of ``n`` choices (None: unconstrained;
+        one matcher per choice, the compiled grammar shared); compiling runs in a thread."""
+        if plan is None or plan.spec is None:
+            return None
+        if self.grammars is None:
+            from runtime.structured.cache import GrammarCache
+
+            self.grammars = GrammarCache(self.template.tokenizer, self.template.eos_ids)
+        grammars, spec = self.grammars, plan.spec
+        return await asyncio.to_thread(lambda: [grammars.constraint(spec) for _ in range(n)])
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -135,22 +173,57 @@ class ModelBinding:
         vocab = self.engine.runner.model.config.vocab_size
         return sampling_params(request, prompt_len, self.engine.max_context, self.max_tokens_default, vocab)
 
-    async def prepare(self, request: ChatRequest | CompletionRequest) -> tuple[list[int], SamplingParams]:
-        """Token ids and sampling parameters (of the first choice) of ``request``, or
-        :class:`RequestError`.
+    async def prepare(
+        self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """Token ids and sampling parameters (of the first choice) of ``request`` (rendered with
+        the tools ``plan`` offers), or :class:`RequestError`.
 
         A prompt far beyond the context is rejected before tokenizing (by its length in
         characters), and tokenizing runs in a thread: the event loop keeps serving.
         """
         param = "messages" if isinstance(request, ChatRequest) else "prompt"
         check_prompt_chars(request.chars, self.engine.max_context, param)
-        ids = await asyncio.to_thread(self.encode, request)
+        ids = await asyncio.to_thread(self.encode, request, plan)
         return ids, self.params(request, len(ids))
 
-    def streams(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[AsyncIterator[StepOutput]]:
-        """One engine stream per choice (:func:`~runtime.openai_api.choice_params`); each adds
-        its sequence when first iterated."""
-        return [self.engine.stream(ids, choice_params(params, i)) for i in range(n)]
+    async def prepare_all(self, request: ChatRequest | CompletionRequest) -> Prepared:
+        """:meth:`prepare` with what ``response_format`` / ``tools`` ask (runtime.openai_tools):
+        the plan and one decoding constraint per choice. :class:`RequestError` for a client
+        mistake, a schema the grammar engine cannot enforce included (naming its field)."""
+        from runtime.structured import StructuredError
+
+        try:
+            plan = request_plan(request)
+            if plan is not None and plan.calls_tools and request.stream:
+                # Streamed tool calls are read from one choice's text, without log-probabilities.
+                if request.n > 1:
+                    raise RequestError("n: streamed tool calls take one choice", "n", "unsupported_value")
+                if request.logprobs_k() is not None:
+                    raise RequestError(
+                        "logprobs: streamed tool calls carry no log-probabilities",
+                        "logprobs",
+                        "unsupported_value",
+                    )
+            ids, params = await self.prepare(request, plan)
+            constraints = await self.constraints(plan, request.n)
+        except StructuredError as exc:
+            raise RequestError(str(exc), getattr(exc, "param", None), "invalid_value") from None
+        return Prepared(ids, params, plan, constraints)
+
+    def streams(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        constraints: list[Constraint] | None = None,
+    ) -> list[AsyncIterator[StepOutput]]:
+        """One engine stream per choice (:func:`~runtime.openai_api.choice_params`), each under
+        its own constraint when given; each adds its sequence when first iterated."""
+        return [
+            self.engine.stream(ids, choice_params(params, i), constraints[i] if constraints else None)
+            for i in range(n)
+        ]
 
     def reporter(self, params: SamplingParams) -> Reporter | None:
         """What turns log-probabilities into OpenAI's entries, when ``params`` asks for them."""
@@ -160,9 +233,15 @@ class ModelBinding:
             self._tokens = TokenText(self.template.tokenizer)
         return Reporter(self._tokens, self.template.eos_ids, params.ignore_eos)
 
-    async def complete(self, ids: list[int], params: SamplingParams, n: int = 1) -> Completion:
+    async def complete(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        constraints: list[Constraint] | None = None,
+    ) -> Completion:
         """Run one request (``n`` choices) to completion."""
-        return await collect(self.streams(ids, params, n), ids, self.reporter(params))
+        return await collect(self.streams(ids, params, n, constraints), ids, self.reporter(params))
 
 
 def _block_prefill_s(profile: dict[str, Any]) -> float:

@@ -16,6 +16,8 @@ name (it wins when both are given); a request's ``max_tokens`` is clamped to the
 choice ``i`` samples with seed ``seed + i`` (mod 2**64), so a request is reproducible.
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and
 ``ignore_eos`` are taken under vLLM's names and meanings.
+``response_format`` (JSON mode, JSON schema) and ``tools`` / ``tool_choice`` are
+:mod:`runtime.openai_tools`' (constrained decoding: :mod:`runtime.structured`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pydantic import (
 )
 
 from runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from runtime.openai_tools import ResponseFormat, Tool, ToolChoice
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # A prompt longer than this many characters per context token cannot fit (no tokenizer packs
@@ -65,11 +68,8 @@ def _is_empty(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _is_default(1),
     "suffix": _is_default(""),
-    "tools": _is_empty,
     "functions": _is_empty,
-    "tool_choice": _is_default("none"),
     "function_call": _is_default("none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _is_default(),
     "prediction": _is_default(),
@@ -222,7 +222,7 @@ class SamplingFields(BaseModel):
     min_tokens: StrictInt = Field(0, ge=0)
     # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
     # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache
-    # changes latency, never tokens) and parallel_tool_calls (tools are refused above).
+    # changes latency, never tokens). parallel_tool_calls is honoured by runtime.openai_tools.
     user: Identifier | None = None
     safety_identifier: Identifier | None = None
     metadata: dict[MetadataKey, Identifier] | None = Field(None, max_length=16)
@@ -260,16 +260,16 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Structured outputs and tools: runtime.openai_tools (constrained by runtime.structured).
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: ToolChoice | None = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The ``tools`` the chat template renders (None until the request takes tools)."""
-        return None
 
     @property
     def chars(self) -> int:

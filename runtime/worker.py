@@ -45,6 +45,8 @@ from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, w
 from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
+from runtime.openai_tool_stream import tool_sse_chunks
+from runtime.openai_tools import tool_message
 from runtime.process import set_idle_priority
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
@@ -284,21 +286,30 @@ def build_app(state: WorkerState) -> FastAPI:
                 return body
         try:
             request = parse_request(body, chat)
-            ids, params = await a.binding.prepare(request)
+            prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
             return _bad_request(exc)
+        ids, params = prepared.ids, prepared.params
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
-        streams = a.binding.streams(ids, params, request.n)
+        streams = a.binding.streams(ids, params, request.n, prepared.constraints)
         reporter = a.binding.reporter(params)
         if request.stream:
-            chunks = sse_chunks(streams, rid, a.name, chat, ids, request.include_usage, reporter, echo)
+            if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
+                chunks = tool_sse_chunks(
+                    streams[0], rid, a.name, len(ids), prepared.plan, request.include_usage
+                )
+            else:
+                chunks = sse_chunks(streams, rid, a.name, chat, ids, request.include_usage, reporter, echo)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             done = await collect(streams, ids, reporter)
         except RequestFailed as exc:
             return _failed(exc)
-        return completion_body(rid, a.name, chat, done, echo)
+        body = completion_body(rid, a.name, chat, done, echo)
+        return (
+            tool_message(body, prepared.plan) if prepared.plan is not None and prepared.calls_tools else body
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:

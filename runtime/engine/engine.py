@@ -15,7 +15,7 @@ from runtime.engine.block_manager import BaseBlockSource, BlockManager
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import EngineError, KVCacheExhausted, Scheduler, SchedulerConfig
-from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
+from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenConstraint
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
@@ -91,8 +91,11 @@ class Engine:
         self._queues: dict[int, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()  # set by add_request: wakes an idle run_forever
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request; it joins the batch at the next step boundary."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None
+    ) -> int:
+        """Queue a request; it joins the batch at the next step boundary. A ``constraint``
+        (runtime.structured) masks its tokens to a grammar and finishes it when that completes."""
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
         if len(prompt_ids) + params.max_tokens > self.max_context:
@@ -100,7 +103,7 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
                 f"context of {self.max_context} tokens"
             )
-        seq = Sequence(next(self._ids), list(prompt_ids), params)
+        seq = Sequence(next(self._ids), list(prompt_ids), params, constraint=constraint)
         self.seqs[seq.seq_id] = seq
         self._text[seq.seq_id] = _TextState()
         self.scheduler.add(seq)
@@ -138,7 +141,13 @@ class Engine:
             seq.output_ids.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            delta, reason = self._advance_text(seq, token)
+            complete = False
+            if seq.constraint is not None:
+                if not seq.constraint.accept(token):  # the mask forbids this: a bug, not the client's
+                    outputs.append(self._fail(seq, f"token {token} broke the output grammar"))
+                    continue
+                complete = seq.constraint.terminated
+            delta, reason = self._advance_text(seq, token, complete)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -198,10 +207,12 @@ class Engine:
         self.seqs.pop(seq_id, None)
         self._text.pop(seq_id, None)
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None
+    ) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs as steps produce them (someone must drive
         :meth:`step`, e.g. :meth:`run_forever`)."""
-        seq_id = self.add_request(prompt_ids, params)
+        seq_id = self.add_request(prompt_ids, params, constraint)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[seq_id] = queue
         try:
@@ -256,13 +267,17 @@ class Engine:
         self._publish()
         self.blocks.trim(0)
 
-    def _advance_text(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+    def _advance_text(
+        self, seq: Sequence, token: int, complete: bool = False
+    ) -> tuple[str, FinishReason | None]:
+        """The text delta of ``token`` and the finish reason; ``complete``: the output grammar
+        allows nothing more (the sequence stops with all its text)."""
         state = self._text[seq.seq_id]
         params = seq.params
         eos = token in self.eos_ids and not params.ignore_eos
         ids = seq.output_ids[:-1] if eos else seq.output_ids
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
-        reason: FinishReason | None = FinishReason.STOP if eos else None
+        reason: FinishReason | None = FinishReason.STOP if eos or complete else None
         # Before min_tokens no stop string ends the output (vLLM's rule), so none is looked for
         # or held back: one completed earlier is plain text.
         stops = params.stop if len(seq.output_ids) >= params.min_tokens else ()

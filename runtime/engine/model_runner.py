@@ -95,8 +95,13 @@ class ModelRunner:
             last = logits[i]
             seq.num_cached = len(seq)
             params = seq.params
+            model_logits = last
+            if seq.constraint is not None:  # only constrained requests pay for a mask
+                if params.logprobs is not None:  # logprobs report the model's own distribution
+                    model_logits = last.clone()
+                seq.constraint.mask_logits(last)
             token = sample(last, params, seq.output_ids, self._generator(seq), seq.prompt_ids, self.eos_ids)
-            lp = token_logprob(last, token, params.logprobs) if params.logprobs is not None else None
+            lp = token_logprob(model_logits, token, params.logprobs) if params.logprobs is not None else None
             out.append(Sampled(token, lp))
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 
@@ -19,6 +20,18 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ERROR = "error"  # the request could not run (e.g. it needs more KV blocks than can be had)
+
+
+class TokenConstraint(Protocol):
+    """A per-sequence output grammar (runtime.structured.Constraint): masks the logits before
+    sampling, advances on the sampled token, and says when the output is complete."""
+
+    def mask_logits(self, logits: Any) -> None: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    @property
+    def terminated(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -42,6 +55,7 @@ class Sequence:
     error: str | None = None
     # Per prompt token (None for the first), once computed: only when params.prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    constraint: TokenConstraint | None = None  # constrained decoding (response_format, tools)
 
     @property
     def token_ids(self) -> list[int]:

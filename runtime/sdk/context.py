@@ -79,8 +79,10 @@ class LLM:
             raise RequestError(
                 "stream: context.model returns one Completion", "stream", "unsupported_parameter"
             )
-        ids, params = await self._binding.prepare(request)
-        return await self._binding.complete(ids, params, request.n)
+        # response_format / tools as on /v1/chat/completions (tool calls stay in the text, in
+        # runtime.openai_tools' generic format).
+        prepared = await self._binding.prepare_all(request)
+        return await self._binding.complete(prepared.ids, prepared.params, request.n, prepared.constraints)
 
     def _block(self, coro: Any) -> Completion:
         if threading.get_ident() == self._loop_thread:

@@ -34,13 +34,20 @@ PROMPT: dict[str, Any] = {"prompt": "hello"}
         ("prediction", {"type": "content", "content": "x"}),
         ("best_of", 2),
         ("suffix", "tail"),
-        ("tool_choice", "auto"),
     ],
 )
 def test_fields_ember_does_not_implement_are_named(field: str, value: Any) -> None:
     for body, chat in ((CHAT, True), (PROMPT, False)):
         with pytest.raises(RequestError, match=rf"^{field}: Ember does not implement this field$"):
             parse_request({**body, field: value}, chat)
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "response_format"])
+def test_chat_only_fields_are_400s_on_completions(field: str) -> None:
+    """Structured outputs and tools are chat fields (runtime.openai_tools): refused on completions."""
+    value = {"tools": [], "tool_choice": "auto", "response_format": {"type": "json_object"}}[field]
+    with pytest.raises(RequestError, match=rf"^{field}: unrecognized request field$"):
+        parse_request({**PROMPT, field: value}, chat=False)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,160 @@
+"""What output a request must produce, as an llguidance grammar (no tokenizer needed yet).
+
+Schemas are bounded (:data:`MAX_SCHEMA_BYTES`, :data:`MAX_SCHEMA_DEPTH`) and checked here,
+before any tokenizer work, so a bad one is a 400 naming the field. JSON is generated in one
+fixed layout (``", "`` between items, ``": "`` after keys, no other whitespace): a model
+cannot stall a request on endless whitespace, and the output is what ``json.dumps`` writes.
+
+Tool calls use one generic text format, the one Hermes/Qwen-style chat templates use and
+that :mod:`runtime.openai_tools` describes to models whose template has no tool support::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+(several calls, when parallel calls are allowed, separated by one newline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.structured.errors import SchemaError
+
+MAX_SCHEMA_BYTES = 64 * 1024  # of the schema as compact JSON
+MAX_SCHEMA_DEPTH = 32  # nested objects/arrays of the schema document itself
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+# Fixed layout of generated JSON (see the module docstring); strict schemas compile with
+# unimplemented keywords as errors, non-strict ones leniently (those keywords are ignored).
+_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A grammar in llguidance's serialized form, and its digest (the cache key)."""
+
+    kind: str  # "json_object", "json_schema" or "tool_calls"
+    grammar: str
+    digest: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema", "tool_calls"):
+            raise ValueError(f"unknown grammar kind {self.kind!r}")
+        object.__setattr__(self, "digest", hashlib.sha256(self.grammar.encode()).hexdigest())
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One function a tool call may name, with its JSON-schema ``parameters``."""
+
+    name: str
+    parameters: dict[str, Any]
+    param: str  # where the parameters came from in the request, for errors
+    strict: bool = True  # unimplemented schema keywords: an error (else ignored)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a tool needs a name")
+
+
+def check_schema(schema: Any, param: str) -> str:
+    """``schema`` as compact JSON after the size, depth and type checks; :class:`SchemaError`."""
+    if not isinstance(schema, dict):
+        raise SchemaError(param, "a JSON schema must be an object")
+    _check_depth(schema, param)
+    text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise SchemaError(param, f"the schema has {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
+    return text
+
+
+def _check_depth(schema: dict[str, Any], param: str) -> None:
+    # Iterative: a deeply nested document must not exhaust Python's stack before it is refused.
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _validated(grammar: str, param: str) -> str:
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise SchemaError(param, f"cannot be enforced: {error.strip()[:500]}")
+    return grammar
+
+
+def _schema_grammar(schema: dict[str, Any], strict: bool, param: str) -> str:
+    from llguidance import LLMatcher
+
+    check_schema(schema, param)
+    try:
+        options: Any = {**_LAYOUT, "lenient": not strict}  # llguidance's JsonCompileOptions
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except ValueError as exc:
+        raise SchemaError(param, str(exc)) from None
+    return _validated(grammar, param)
+
+
+def json_object_spec() -> GrammarSpec:
+    """Any JSON object (``response_format: {"type": "json_object"}``)."""
+    return GrammarSpec("json_object", _schema_grammar({"type": "object"}, True, "response_format"))
+
+
+def json_schema_spec(
+    schema: dict[str, Any], strict: bool, param: str = "response_format.json_schema.schema"
+) -> GrammarSpec:
+    """JSON valid against ``schema``; with ``strict`` every keyword must be enforceable."""
+    return GrammarSpec("json_schema", _schema_grammar(schema, strict, param))
+
+
+def call_schema(tool: ToolSpec) -> dict[str, Any]:
+    """The JSON schema of one call of ``tool`` in the generic format."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = False) -> GrammarSpec:
+    """One tool call (or, with ``parallel``, one or more) of any of ``tools``, in the generic
+    format, whose arguments are valid against the named tool's parameters.
+
+    ``allow_text`` (``tool_choice: auto``): free text is allowed too, as long as it does not
+    open with a ``<tool_call>`` block, even after whitespace (a regular-expression
+    complement); an output that opens with one is held to the call grammar from its first
+    token.
+    """
+    if not tools:
+        raise ValueError("tool_call_spec needs at least one tool")
+    from llguidance import LLMatcher
+
+    calls = []
+    for tool in tools:
+        check_schema(tool.parameters, tool.param)
+        # Each tool's parameters are compiled alone first, so an error names that tool.
+        _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
+        calls.append(call_schema(tool))
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    lenient = not all(t.strict for t in tools)
+    body = json.dumps({**schema, "x-guidance": {**_LAYOUT, "lenient": lenient}})
+    repeat = ' ("\\n" call)*' if parallel else ""
+    text = " | TEXT\nTEXT: /(?s:.*)/ & ~/(?s:\\s*<tool_call>.*)/" if allow_text else ""
+    lark = (
+        f"start: call{repeat}{text}\n"
+        f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
+        f"body: %json {body}\n"
+    )
+    return GrammarSpec("tool_calls", _validated(LLMatcher.grammar_from_lark(lark), "tools"))
