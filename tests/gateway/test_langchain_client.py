@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.ai import add_ai_message_chunks
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -41,6 +43,12 @@ def get_weather(city: str) -> str:
     return f"It is sunny and 21 degrees Celsius in {city}."
 
 
+def merge(chunks: list[Any]) -> AIMessageChunk:
+    """A stream's chunks added up, as LangChain adds them."""
+    assert chunks and all(isinstance(c, AIMessageChunk) for c in chunks)
+    return add_ai_message_chunks(chunks[0], *chunks[1:])
+
+
 @pytest.fixture(scope="module")
 def deployed(server: ServeProcess) -> str:
     with httpx.Client(base_url=server.url, timeout=120) as http:
@@ -54,9 +62,9 @@ def llm(server: ServeProcess, deployed: str) -> Iterator[ChatOpenAI]:
     yield ChatOpenAI(
         model=deployed,
         base_url=f"{server.url}/v1",
-        api_key="unused-on-loopback",  # type: ignore[arg-type]  # LangChain wraps it in SecretStr
+        api_key="unused-on-loopback",
         temperature=0,
-        max_tokens=MAX_TOKENS,  # type: ignore[call-arg]  # sent as max_completion_tokens
+        max_tokens=MAX_TOKENS,  # sent as max_completion_tokens
         max_retries=0,
         timeout=120,
     )
@@ -79,11 +87,8 @@ def test_async_invoke_matches_sync(llm: ChatOpenAI) -> None:
 def test_stream_with_usage(llm: ChatOpenAI) -> None:
     whole = llm.invoke(QUESTION)
     chunks = list(llm.stream(QUESTION, stream_usage=True))
-    assert all(isinstance(c, AIMessageChunk) for c in chunks)
     assert "".join(c.text for c in chunks) == whole.text
-    merged = chunks[0]
-    for c in chunks[1:]:
-        merged += c
+    merged = merge(chunks)
     assert merged.usage_metadata is not None and merged.usage_metadata == whole.usage_metadata
 
 
@@ -116,11 +121,7 @@ def test_bind_tools_round_trip(llm: ChatOpenAI) -> None:
 
 def test_bind_tools_streamed_tool_call(llm: ChatOpenAI) -> None:
     forced = llm.bind_tools([get_weather], tool_choice="required")
-    chunks = list(forced.stream("What is the weather like in Paris right now?"))
-    merged = chunks[0]
-    for c in chunks[1:]:
-        merged += c
-    assert isinstance(merged, AIMessageChunk)
+    merged = merge(list(forced.stream("What is the weather like in Paris right now?")))
     assert merged.response_metadata.get("finish_reason") == "tool_calls"
     # The arguments arrive in pieces, as OpenAI streams them; merged they parse.
     assert not merged.invalid_tool_calls
