@@ -77,8 +77,6 @@ def run_guidellm(tmp_path: Path, target: str, model: str, tokenizer: Path, reque
                 "target": target,
                 "model": model,
                 "request_format": request_format,
-                # guidellm checks a server with GET /health (vLLM's); Ember's probe is /healthz.
-                "api_routes": {"/health": "healthz"},
                 "timeout": 120,
             },
             "profile": {"kind": "concurrent", "streams": [CONCURRENCY]},
