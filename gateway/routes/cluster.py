@@ -1,4 +1,4 @@
-"""Health and cluster routes: ``/healthz``, ``/readyz``, ``/v1/cluster``, evict, ``/metrics``.
+"""Health and cluster routes: ``/healthz`` (and ``/health``), ``/readyz``, ``/v1/cluster``, evict, metrics.
 
 ``/healthz`` (liveness) and ``/readyz`` (readiness, :mod:`gateway.health`) need no key. The
 cluster view shows the admin everything (functions by qualified id, the devices' reports);
@@ -24,13 +24,18 @@ if TYPE_CHECKING:  # gateway.app composes this module
 
 
 def health_routes(state: ClusterState, serving: Serving | None) -> APIRouter:
-    """``/healthz`` and ``/readyz`` (Redis only, unless ``serving`` has its own checks)."""
+    """``/healthz`` (and its alias ``/health``) and ``/readyz`` (Redis only, unless ``serving``
+    has its own checks)."""
     router = APIRouter()
     default_readiness = Readiness(redis_ping=state.r.ping)
 
     @router.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    # The path vLLM, SGLang, TGI and llama.cpp's server answer: OpenAI load generators (guidellm)
+    # probe it before a run and give up on a 404.
+    router.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)
 
     @router.get("/readyz", include_in_schema=False)
     async def ready() -> Response:

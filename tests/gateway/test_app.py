@@ -71,6 +71,8 @@ def test_api_key_is_enforced_when_configured(state: ClusterState) -> None:
     key = "k" * 32
     with TestClient(create_app(state, GatewayConfig(api_key=key))) as http:
         assert http.get("/healthz").status_code == 200
+        # vLLM's liveness path too (guidellm probes it before a run); open like /healthz.
+        assert http.get("/health").json() == {"status": "ok"}
         denied = http.get("/v1/functions")
         assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
         assert http.get("/v1/functions", headers={"authorization": "Bearer wrong"}).status_code == 401
