@@ -193,6 +193,9 @@ class StreamOptions(BaseModel):
     # Obfuscation pads stream events against length side channels. Ember does not pad (as
     # if false were sent), so a client asking for it is refused rather than left unprotected.
     include_obfuscation: StrictBool = False
+    # vLLM's extension (load generators such as guidellm send it): with include_usage, every
+    # chunk also carries the usage so far.
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -241,6 +244,16 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with OpenAI's usage chunk (``stream_options.include_usage``)."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's ``continuous_usage_stats``,
+        which counts only with ``include_usage``, as in vLLM)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

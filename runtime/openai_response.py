@@ -278,6 +278,7 @@ async def sse_chunks(
     include_usage: bool = False,
     reporter: Reporter | None = None,
     echo: str | None = None,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """OpenAI streaming chunks for one request (one stream per choice), then ``[DONE]``.
 
@@ -285,8 +286,9 @@ async def sse_chunks(
     have relied on; with ``n`` > 1, the usage of the choices finished so far). With
     ``include_usage`` (``stream_options.include_usage``) it is OpenAI's form instead: every
     chunk has ``"usage": null`` and one last chunk, with no choices, carries the usage of all
-    choices. With ``echo`` (completions) each choice's first chunk is the prompt text. A
-    stream that fails ends with one error event and no usage.
+    choices; ``continuous_usage`` (vLLM's ``continuous_usage_stats``) puts the usage so far
+    on every chunk as well. With ``echo`` (completions) each choice's first chunk is the
+    prompt text. A stream that fails ends with one error event and no usage.
     """
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -316,7 +318,7 @@ async def sse_chunks(
             if reporter is not None:
                 choice["logprobs"] = text_logprobs(lps or [], offsets[i])
                 offsets[i] += len(choice["text"])
-        return event([choice], usage() if reason and not include_usage else None)
+        return event([choice], usage() if continuous_usage or (reason and not include_usage) else None)
 
     if chat:
         for i in range(len(streams)):

@@ -80,6 +80,7 @@ async def tool_sse_chunks(
     prompt_tokens: int,
     plan: StructuredPlan,
     include_usage: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """OpenAI ``chat.completion.chunk`` events for a request offered tools, then ``[DONE]``
     (usage as :func:`runtime.openai_api.sse_chunks` reports it)."""
@@ -100,7 +101,8 @@ async def tool_sse_chunks(
         return sse_event(body)
 
     def chunk(delta: dict[str, Any], reason: str | None = None) -> bytes:
-        usage = usage_body(prompt_tokens, n, cached) if reason and not include_usage else None
+        report = continuous_usage or (reason and not include_usage)
+        usage = usage_body(prompt_tokens, n, cached) if report else None
         return event([{"index": 0, "delta": delta, "finish_reason": reason}], usage)
 
     def render(events: list[tuple[str, Any]]) -> list[bytes]:

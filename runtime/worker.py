@@ -297,10 +297,26 @@ def build_app(state: WorkerState) -> FastAPI:
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
                 chunks = tool_sse_chunks(
-                    streams[0], rid, a.name, len(ids), prepared.plan, request.include_usage
+                    streams[0],
+                    rid,
+                    a.name,
+                    len(ids),
+                    prepared.plan,
+                    request.include_usage,
+                    request.continuous_usage,
                 )
             else:
-                chunks = sse_chunks(streams, rid, a.name, chat, ids, request.include_usage, reporter, echo)
+                chunks = sse_chunks(
+                    streams,
+                    rid,
+                    a.name,
+                    chat,
+                    ids,
+                    request.include_usage,
+                    reporter,
+                    echo,
+                    request.continuous_usage,
+                )
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             done = await collect(streams, ids, reporter)

@@ -130,3 +130,22 @@ def test_stream_options_include_usage_as_the_openai_client_reads_it(
     )  # fmt: skip
     *_, end = list(legacy)
     assert end.choices == [] and end.usage is not None and end.usage.prompt_tokens >= 1
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    served: tuple[str, PoolProcess, dict[str, str]],
+) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm always sends it): with
+    ``include_usage`` every chunk carries the usage so far, and the last one the total."""
+    url, _, auth = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", default_headers=auth, max_retries=0)
+    messages: Any = [{"role": "user", "content": "hello"}]
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )  # fmt: skip
+    *content, last = list(stream)
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in content if c.usage is not None]
+    assert len(counts) == len(content) and counts == sorted(counts) and counts[-1] == 6
