@@ -118,11 +118,25 @@ def json_schema_spec(
     return GrammarSpec("json_schema", _schema_grammar(schema, strict, param))
 
 
+def closed_arguments(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's ``parameters`` as its calls are decoded: an object schema that lists its
+    properties and says nothing of others gets ``additionalProperties: false`` at the top.
+
+    JSON Schema allows unlisted properties by default, and a small model held to such a schema
+    kept inventing arguments until ``max_tokens`` ran out. Every call decoded this way is still
+    valid against the tool's own schema (xgrammar decodes the same way by default)."""
+    schema = parameters or {"type": "object"}
+    open_ended = "additionalProperties" in schema or "patternProperties" in schema
+    if schema.get("type") == "object" and "properties" in schema and not open_ended:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
     """The JSON schema of one call of ``tool`` in the generic format."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+        "properties": {"name": {"const": tool.name}, "arguments": closed_arguments(tool.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
