@@ -118,11 +118,41 @@ def json_schema_spec(
     return GrammarSpec("json_schema", _schema_grammar(schema, strict, param))
 
 
-def call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool`` in the generic format."""
+# Keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with every local ``$ref`` (``#...``) made relative to ``root``, the JSON pointer
+    where the schema now sits inside a larger one."""
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rerooted(value, root)
+    return out
+
+
+def call_schema(tool: ToolSpec, root: str = "#") -> dict[str, Any]:
+    """The JSON schema of one call of ``tool`` in the generic format, placed at the JSON
+    pointer ``root`` of the grammar's schema.
+
+    A tool's parameters are a schema document of their own: their local ``$ref`` s
+    (``#/$defs/Address``, what pydantic and the OpenAI SDK's ``pydantic_function_tool``
+    write) point into that document, so they are rewritten to where it now sits
+    (``properties/arguments`` of the call).
+    """
+    arguments = _rerooted(tool.parameters, f"{root}/properties/arguments") if tool.parameters else None
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments or {"type": "object"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -142,11 +172,11 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
     from llguidance import LLMatcher
 
     calls = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         check_schema(tool.parameters, tool.param)
         # Each tool's parameters are compiled alone first, so an error names that tool.
         _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
-        calls.append(call_schema(tool))
+        calls.append(call_schema(tool, "#" if len(tools) == 1 else f"#/anyOf/{i}"))
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     lenient = not all(t.strict for t in tools)
     body = json.dumps({**schema, "x-guidance": {**_LAYOUT, "lenient": lenient}})
