@@ -39,6 +39,7 @@ class GrammarSpec:
 
     kind: str  # "json_object", "json_schema" or "tool_calls"
     grammar: str
+    param: str = "response_format"  # the request field it came from, for errors
     digest: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +116,7 @@ def json_schema_spec(
     schema: dict[str, Any], strict: bool, param: str = "response_format.json_schema.schema"
 ) -> GrammarSpec:
     """JSON valid against ``schema``; with ``strict`` every keyword must be enforceable."""
-    return GrammarSpec("json_schema", _schema_grammar(schema, strict, param))
+    return GrammarSpec("json_schema", _schema_grammar(schema, strict, param), param)
 
 
 # Keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
@@ -187,4 +188,4 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
         f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
         f"body: %json {body}\n"
     )
-    return GrammarSpec("tool_calls", _validated(LLMatcher.grammar_from_lark(lark), "tools"))
+    return GrammarSpec("tool_calls", _validated(LLMatcher.grammar_from_lark(lark), "tools"), "tools")
