@@ -58,7 +58,7 @@ from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.messages import AssignMessage
-from runtime.openai_api import CompletionRequest, RequestError, parse_request
+from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import completion_body
 from runtime.openai_tools import tool_message
 from runtime.worker import WorkerState, assign
@@ -260,7 +260,7 @@ async def _activate(action: ActionState, activation: Activation) -> dict[str, An
             raise ActionError(400, "stream: an OpenWhisk activation's result is one JSON object")
         chat = "messages" in params
         try:
-            request = parse_request(params, chat)
+            request = await parse_request_async(params, chat)
             # prepare_all, as on /v1/chat/completions: response_format and tools are honoured
             # (constrained decoding, calls read back), never accepted and then ignored.
             prepared = await a.binding.prepare_all(request)
