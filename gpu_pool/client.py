@@ -115,6 +115,8 @@ class PoolClient:
         self._storage: torch.UntypedStorage | None = None
         self._kv: torch.Tensor | None = None
         self._kv_storage: torch.UntypedStorage | None = None
+        self._views: mapping.Views | None = None  # over the arena, made on the first view
+        self._kv_views: mapping.Views | None = None
         self._fds: dict[str, int] = {}  # "arena" / "kv": received, not yet mapped
         self._watcher: tuple[threading.Thread, int] | None = None  # thread, stop pipe's write end
         self.last_acquire: AcquireReport | None = None
@@ -273,14 +275,18 @@ class PoolClient:
         """A tensor of ``dtype`` and ``shape`` over the arena bytes starting at ``offset``
         (read-only memory on a CPU pool: weights)."""
         arena = self.arena()
-        assert self._storage is not None
-        return mapping.view(self._storage, arena.device, offset, dtype, shape)
+        if self._views is None:
+            assert self._storage is not None
+            self._views = mapping.Views(self._storage, arena.device)
+        return self._views.view(offset, dtype, shape)
 
     def kv_view(self, offset: int, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
         """Like :meth:`view`, over this session's KV memory (``KVBlocks`` offsets)."""
         kv = self.kv_arena()
-        assert self._kv_storage is not None
-        return mapping.view(self._kv_storage, kv.device, offset, dtype, shape)
+        if self._kv_views is None:
+            assert self._kv_storage is not None
+            self._kv_views = mapping.Views(self._kv_storage, kv.device)
+        return self._kv_views.view(offset, dtype, shape)
 
     def arena(self) -> torch.Tensor:
         """The whole arena as a 1-D uint8 tensor (mapped on first use, then cached)."""

@@ -3,6 +3,7 @@ at pool offsets, and the hang-up watch of a session's socket (see :mod:`gpu_pool
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import select
@@ -44,20 +45,35 @@ def map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def view(
-    storage: torch.UntypedStorage,
-    device: torch.device,
-    offset: int,
-    dtype: str,
-    shape: tuple[int, ...] | list[int],
-) -> torch.Tensor:
-    import torch
+class Views:
+    """Tensor views at byte offsets of one storage (the arena, or a session's KV memory).
 
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    assert offset % itemsize == 0, "the pool aligns every region"
-    shape = tuple(shape)
-    t = torch.empty(0, dtype=getattr(torch, dtype), device=device)
-    return t.set_(storage, offset // itemsize, shape, contiguous_stride(shape))
+    Each view is ``as_strided`` on one 1-D base tensor per dtype that spans the storage: a few
+    microseconds, against ~5-30 for a fresh tensor ``set_`` on the storage, and an acquire makes
+    one view per tensor (272 for SmolLM2). Every view shares the storage: no copy."""
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+        self.storage = storage
+        self.device = device
+        self._bases: dict[str, torch.Tensor] = {}
+
+    def view(self, offset: int, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` over the bytes from ``offset``."""
+        import torch
+
+        itemsize = DTYPE_ITEMSIZE[dtype]
+        assert offset % itemsize == 0, "the pool aligns every region"
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        if offset < 0 or offset + numel * itemsize > self.storage.nbytes():
+            raise ProtocolError(f"a view of {numel * itemsize} bytes at {offset} overruns the pool's memory")
+        base = self._bases.get(dtype)
+        if base is None:
+            empty = torch.empty(0, dtype=getattr(torch, dtype), device=self.device)
+            base = self._bases[dtype] = empty.set_(
+                self.storage, 0, (self.storage.nbytes() // itemsize,), (1,)
+            )
+        return torch.as_strided(base, shape, contiguous_stride(shape), offset // itemsize)
 
 
 def watch_hangup(sock_fd: int, stop_fd: int, callback: Callable[[], None]) -> None:

@@ -119,6 +119,20 @@ def json_schema_spec(
     return GrammarSpec("json_schema", _schema_grammar(schema, strict, param), param)
 
 
+def closed_arguments(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's ``parameters`` as its calls are decoded: an object schema that lists its
+    properties and says nothing of others gets ``additionalProperties: false`` at the top.
+
+    JSON Schema allows unlisted properties by default, and a small model held to such a schema
+    kept inventing arguments until ``max_tokens`` ran out. Every call decoded this way is still
+    valid against the tool's own schema (xgrammar decodes the same way by default)."""
+    schema = parameters or {"type": "object"}
+    open_ended = "additionalProperties" in schema or "patternProperties" in schema
+    if schema.get("type") == "object" and "properties" in schema and not open_ended:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
 # Keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
@@ -150,10 +164,10 @@ def call_schema(tool: ToolSpec, root: str = "#") -> dict[str, Any]:
     write) point into that document, so they are rewritten to where it now sits
     (``properties/arguments`` of the call).
     """
-    arguments = _rerooted(tool.parameters, f"{root}/properties/arguments") if tool.parameters else None
+    arguments = _rerooted(closed_arguments(tool.parameters), f"{root}/properties/arguments")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": arguments or {"type": "object"}},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

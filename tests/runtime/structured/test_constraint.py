@@ -101,6 +101,25 @@ def test_tool_call_arguments_validate_against_parameters(
     jsonschema.validate(call["arguments"], tool.parameters)
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31))
+def test_tool_calls_invent_no_arguments_the_parameters_do_not_list(
+    grammars: GrammarCache, smollm2_tokenizer: Tokenizer, seed: int
+) -> None:
+    """A non-strict schema without additionalProperties: a call holds only the listed arguments
+    (a model was seen adding made-up ones until max_tokens); it still validates."""
+    loose = ToolSpec(
+        "lookup",
+        {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}},
+        "tools.0",
+        strict=False,
+    )
+    text = decode(grammars, smollm2_tokenizer, tool_call_spec([loose], parallel=False), seed)
+    arguments = json.loads(text[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])["arguments"]
+    assert set(arguments) <= {"q"}
+    jsonschema.validate(arguments, loose.parameters)
+
+
 # What openai.pydantic_function_tool (and LangChain's bind_tools) send for a nested model:
 # local $refs into the parameters' own $defs.
 SHIP = ToolSpec(
