@@ -82,5 +82,7 @@ class GrammarCache:
             return matcher
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
-        """A fresh per-sequence constraint for ``spec``."""
+        """A fresh per-sequence constraint for ``spec`` (its checks compiled and probed first)."""
+        for check in spec.checks:
+            self.compiled(check)
         return Constraint(self.compiled(spec).deep_copy(), self.vocab_size)

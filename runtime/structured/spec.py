@@ -40,6 +40,9 @@ class GrammarSpec:
     kind: str  # "json_object", "json_schema" or "tool_calls"
     grammar: str
     param: str = "response_format"  # the request field it came from, for errors
+    # Grammars compiled (and probed) before this one, so an error names its own field: each
+    # tool's parameters, for a tool-call grammar.
+    checks: tuple[GrammarSpec, ...] = ()
     digest: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -187,10 +190,12 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
     from llguidance import LLMatcher
 
     calls = []
+    checks = []
     for i, tool in enumerate(tools):
         check_schema(tool.parameters, tool.param)
         # Each tool's parameters are compiled alone first, so an error names that tool.
-        _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
+        alone = _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
+        checks.append(GrammarSpec("json_schema", alone, tool.param))
         calls.append(call_schema(tool, "#" if len(tools) == 1 else f"#/anyOf/{i}"))
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     lenient = not all(t.strict for t in tools)
@@ -202,4 +207,5 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
         f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
         f"body: %json {body}\n"
     )
-    return GrammarSpec("tool_calls", _validated(LLMatcher.grammar_from_lark(lark), "tools"), "tools")
+    grammar = _validated(LLMatcher.grammar_from_lark(lark), "tools")
+    return GrammarSpec("tool_calls", grammar, "tools", tuple(checks))

@@ -18,7 +18,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import FinishReason
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, register
-from runtime.structured import SchemaError, json_schema_spec
+from runtime.structured import SchemaError, ToolSpec, json_schema_spec, tool_call_spec
 from runtime.structured.cache import GrammarCache
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
@@ -151,3 +151,12 @@ def test_a_grammar_that_allows_no_first_token_is_refused_naming_its_field(tiny: 
     with pytest.raises(SchemaError) as info:
         grammars.constraint(json_schema_spec({"$ref": "#"}, strict=True, param="tools.0.function.parameters"))
     assert info.value.param == "tools.0.function.parameters"
+    # Inside a tool-call grammar the loop is reached only after the call's opening tokens:
+    # each tool's parameters are probed alone, so the error still names that tool.
+    tools = [
+        ToolSpec("ok", {"type": "object"}, "tools.0.function.parameters"),
+        ToolSpec("loop", {"$ref": "#"}, "tools.1.function.parameters"),
+    ]
+    with pytest.raises(SchemaError) as info:
+        grammars.constraint(tool_call_spec(tools, parallel=False))
+    assert info.value.param == "tools.1.function.parameters"
