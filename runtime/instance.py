@@ -194,7 +194,9 @@ class ModelBinding:
         from runtime.structured import StructuredError
 
         try:
-            plan = request_plan(request)
+            # Compiling schemas into grammars takes up to a second: off the engine's event loop.
+            has_schemas = getattr(request, "tools", None) or getattr(request, "response_format", None)
+            plan = await asyncio.to_thread(request_plan, request) if has_schemas else request_plan(request)
             if plan is not None and plan.calls_tools and request.stream:
                 # Streamed tool calls are read from one choice's text, without log-probabilities.
                 if request.n > 1:

@@ -22,6 +22,7 @@ vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Annotated, Any, Literal
@@ -417,6 +418,19 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
             "top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value"
         )
     return request
+
+
+def _carries_schemas(body: Any) -> bool:
+    return isinstance(body, dict) and bool(body.get("tools") or body.get("response_format"))
+
+
+async def parse_request_async(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
+    """:func:`parse_request`, in a thread when the body carries JSON schemas: validating
+    compiles them (about a second for the largest allowed tools), and the event loop it
+    would block drives the engine's decode steps for every other request."""
+    if _carries_schemas(body):
+        return await asyncio.to_thread(parse_request, body, chat)
+    return parse_request(body, chat)
 
 
 def check_prompt_chars(chars: int, max_context: int, param: str | None = None) -> None:

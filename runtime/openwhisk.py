@@ -58,8 +58,9 @@ from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
 from runtime.messages import AssignMessage
-from runtime.openai_api import CompletionRequest, RequestError, parse_request
+from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import completion_body
+from runtime.openai_tools import tool_message
 from runtime.worker import WorkerState, assign
 from runtime.worker_guard import BodyLimit
 
@@ -259,14 +260,17 @@ async def _activate(action: ActionState, activation: Activation) -> dict[str, An
             raise ActionError(400, "stream: an OpenWhisk activation's result is one JSON object")
         chat = "messages" in params
         try:
-            request = parse_request(params, chat)
-            ids, sampling = await a.binding.prepare(request)
-            done = await a.binding.complete(ids, sampling, request.n)
+            request = await parse_request_async(params, chat)
+            # prepare_all, as on /v1/chat/completions: response_format and tools are honoured
+            # (constrained decoding, calls read back), never accepted and then ignored.
+            prepared = await a.binding.prepare_all(request)
+            done = await a.binding.complete(prepared.ids, prepared.params, request.n, prepared.constraints)
         except RequestError as exc:
             raise ActionError(400, str(exc)) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{activation.activation_id}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
-        return completion_body(rid, a.name, chat, done, echo)
+        body = completion_body(rid, a.name, chat, done, echo)
+        return tool_message(body, prepared.plan) if prepared.calls_tools and prepared.plan else body
     try:
         result = await a.runner.invoke(params, activation.activation_id, activation.deadline, activation.env)
         if hasattr(result, "__aiter__"):

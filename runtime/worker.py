@@ -43,7 +43,7 @@ from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
 from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
-from runtime.openai_api import CompletionRequest, RequestError, parse_request
+from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
 from runtime.openai_tool_stream import tool_sse_chunks
 from runtime.openai_tools import tool_message
@@ -285,7 +285,7 @@ def build_app(state: WorkerState) -> FastAPI:
             if isinstance(body, JSONResponse):
                 return body
         try:
-            request = parse_request(body, chat)
+            request = await parse_request_async(body, chat)
             prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
             return _bad_request(exc)

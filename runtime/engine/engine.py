@@ -135,7 +135,10 @@ class Engine:
             return [self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}") for seq in seqs]
         outputs = []
         now = time.monotonic()
-        for seq, (token, logprob) in zip(seqs, sampled, strict=True):
+        for seq, (token, logprob, error) in zip(seqs, sampled, strict=True):
+            if error is not None:
+                outputs.append(self._fail(seq, error))
+                continue
             first = not seq.output_ids
             self.blocks.commit(seq)  # before the new token: only what this pass wrote is cached
             seq.output_ids.append(token)

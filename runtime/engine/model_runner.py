@@ -22,6 +22,8 @@ class Sampled(NamedTuple):
 
     token: int
     logprob: TokenLogprob | None = None
+    # Why this sequence could not sample (its constraint failed: token is -1); it fails alone.
+    error: str | None = None
 
 
 class ModelRunner:
@@ -99,7 +101,14 @@ class ModelRunner:
             if seq.constraint is not None:  # only constrained requests pay for a mask
                 if params.logprobs is not None:  # logprobs report the model's own distribution
                     model_logits = last.clone()
-                seq.constraint.mask_logits(last)
+                try:
+                    seq.constraint.mask_logits(last)
+                except Exception as exc:
+                    # A client's grammar that dead-ends (a schema whose $refs loop without a
+                    # token) fails its own request, never the others sharing the batch.
+                    reason = str(exc).split("\n", 1)[0][:300]  # llguidance appends its whole state
+                    out.append(Sampled(-1, None, f"the output grammar failed: {reason}"))
+                    continue
             token = sample(last, params, seq.output_ids, self._generator(seq), seq.prompt_ids, self.eos_ids)
             lp = token_logprob(model_logits, token, params.logprobs) if params.logprobs is not None else None
             out.append(Sampled(token, lp))

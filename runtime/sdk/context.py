@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.instance import ModelBinding
-from runtime.openai_api import ChatRequest, CompletionRequest, RequestError, parse_request
+from runtime.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    parse_request,
+    parse_request_async,
+)
 from runtime.openai_response import Completion
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -63,7 +69,7 @@ class LLM:
         return await self._run(request)
 
     async def achat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
-        request = parse_request({"messages": messages, **sampling}, chat=True)
+        request = await parse_request_async({"messages": messages, **sampling}, chat=True)
         return await self._run(request)
 
     def complete(self, prompt: str, **sampling: Any) -> Completion:

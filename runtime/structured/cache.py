@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from runtime.structured.constraint import Constraint
-from runtime.structured.errors import GrammarError
+from runtime.structured.errors import GrammarError, SchemaError
 from runtime.structured.spec import GrammarSpec
 
 DEFAULT_CAPACITY = 64  # compiled grammars kept (each a few KB to a few MB of lexer state)
@@ -70,11 +70,19 @@ class GrammarCache:
             matcher = LLMatcher(ll, spec.grammar, log_level=0)
             if matcher.is_error():
                 raise GrammarError(f"the {spec.kind} grammar does not compile: {matcher.get_error()}")
+            # The first mask, on a copy: a schema whose $refs loop without producing a token
+            # validates and compiles, yet allows nothing. Refused here, naming its field.
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                raise SchemaError(spec.param, "cannot be enforced: no output can satisfy it")
             self._compiled[key] = matcher
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
             return matcher
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
-        """A fresh per-sequence constraint for ``spec``."""
+        """A fresh per-sequence constraint for ``spec`` (its checks compiled and probed first)."""
+        for check in spec.checks:
+            self.compiled(check)
         return Constraint(self.compiled(spec).deep_copy(), self.vocab_size)

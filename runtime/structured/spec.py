@@ -39,6 +39,10 @@ class GrammarSpec:
 
     kind: str  # "json_object", "json_schema" or "tool_calls"
     grammar: str
+    param: str = "response_format"  # the request field it came from, for errors
+    # Grammars compiled (and probed) before this one, so an error names its own field: each
+    # tool's parameters, for a tool-call grammar.
+    checks: tuple[GrammarSpec, ...] = ()
     digest: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +119,7 @@ def json_schema_spec(
     schema: dict[str, Any], strict: bool, param: str = "response_format.json_schema.schema"
 ) -> GrammarSpec:
     """JSON valid against ``schema``; with ``strict`` every keyword must be enforceable."""
-    return GrammarSpec("json_schema", _schema_grammar(schema, strict, param))
+    return GrammarSpec("json_schema", _schema_grammar(schema, strict, param), param)
 
 
 def closed_arguments(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -132,11 +136,41 @@ def closed_arguments(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return schema
 
 
-def call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool`` in the generic format."""
+# Keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with every local ``$ref`` (``#...``) made relative to ``root``, the JSON pointer
+    where the schema now sits inside a larger one."""
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rerooted(value, root)
+    return out
+
+
+def call_schema(tool: ToolSpec, root: str = "#") -> dict[str, Any]:
+    """The JSON schema of one call of ``tool`` in the generic format, placed at the JSON
+    pointer ``root`` of the grammar's schema.
+
+    A tool's parameters are a schema document of their own: their local ``$ref`` s
+    (``#/$defs/Address``, what pydantic and the OpenAI SDK's ``pydantic_function_tool``
+    write) point into that document, so they are rewritten to where it now sits
+    (``properties/arguments`` of the call).
+    """
+    arguments = _rerooted(closed_arguments(tool.parameters), f"{root}/properties/arguments")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": closed_arguments(tool.parameters)},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -156,11 +190,13 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
     from llguidance import LLMatcher
 
     calls = []
-    for tool in tools:
+    checks = []
+    for i, tool in enumerate(tools):
         check_schema(tool.parameters, tool.param)
         # Each tool's parameters are compiled alone first, so an error names that tool.
-        _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
-        calls.append(call_schema(tool))
+        alone = _schema_grammar(tool.parameters or {"type": "object"}, tool.strict, tool.param)
+        checks.append(GrammarSpec("json_schema", alone, tool.param))
+        calls.append(call_schema(tool, "#" if len(tools) == 1 else f"#/anyOf/{i}"))
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     lenient = not all(t.strict for t in tools)
     body = json.dumps({**schema, "x-guidance": {**_LAYOUT, "lenient": lenient}})
@@ -171,4 +207,5 @@ def tool_call_spec(tools: list[ToolSpec], parallel: bool, allow_text: bool = Fal
         f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
         f"body: %json {body}\n"
     )
-    return GrammarSpec("tool_calls", _validated(LLMatcher.grammar_from_lark(lark), "tools"))
+    grammar = _validated(LLMatcher.grammar_from_lark(lark), "tools")
+    return GrammarSpec("tool_calls", grammar, "tools", tuple(checks))

@@ -3,12 +3,14 @@ prompt shows, and reading tool calls back out of text, whole and streamed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
 
-from runtime.openai_api import ChatRequest, RequestError, parse_request
+from runtime.openai_api import ChatRequest, RequestError, parse_request, parse_request_async
 from runtime.openai_tool_stream import ToolCallSplitter
 from runtime.openai_tools import (
     StructuredPlan,
@@ -187,3 +189,47 @@ def test_streamed_splitting_matches_whole_splitting(size: int) -> None:
     assert content.strip() == whole_content and [c.arguments for c in calls] == [
         c.arguments for c in whole_calls
     ]
+
+
+def test_large_tool_schemas_compile_off_the_event_loop() -> None:
+    """Validating the largest allowed tools compiles their schemas (most of a second): the
+    worker's event loop, which drives every request's decode steps, keeps running meanwhile."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{j}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {f"k{j}_{i}": {"type": "integer"} for i in range(2000)},
+                },
+            },
+        }
+        for j in range(4)
+    ]
+
+    async def main() -> tuple[float, float]:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        request = await parse_request_async({"messages": USER, "tools": tools}, chat=True)
+        took = time.perf_counter() - t0
+        done.set()
+        await ticker
+        assert isinstance(request, ChatRequest) and request.tools and len(request.tools) == 4
+        return took, max(gaps)
+
+    took, gap = asyncio.run(main())
+    assert took > 0.1  # the work is real
+    assert gap < max(took / 3, 0.05), (took, gap)

@@ -247,3 +247,30 @@ def test_init_once_then_activations_with_their_environment_markers_and_kv_releas
     assert proc.wait(timeout=60) == 0, read(logs / "stderr")[-3000:]
     with PoolClient(pool.socket_path) as observer:
         assert observer.stats()["pinned_bytes"] == 0  # the session is released, the weights resident
+
+
+@pytest.mark.slow
+def test_the_default_handler_honours_response_format(
+    home: Home, action: tuple[str, PoolProcess, Any, Path]
+) -> None:
+    """An activation's response_format goes through constrained decoding, as on
+    /v1/chat/completions (it was accepted and then ignored: free text came back). Tools take
+    the same path (prepare_all); the tiny model's 256-token context cannot hold their prompt."""
+    url, _, _, _ = action
+    spec = f"""
+apiVersion: ember.dev/v1
+kind: Function
+metadata: {{name: chat}}
+spec:
+  model: {{source: "{home.model.record["source"]}", dtype: float32}}
+  maxTokens: 48
+"""
+    ask = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=url, timeout=120) as http:
+        init = {"value": {"code": spec, "name": "/guest/chat"}}
+        assert http.post("/init", json=init).json() == {"ok": True}
+        for seed in range(3):
+            value = {"messages": ask, "response_format": {"type": "json_object"}, "seed": seed}
+            reply = http.post("/run", json={"value": value, "activation_id": f"j{seed}"})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"].startswith("{")

@@ -120,6 +120,40 @@ def test_tool_calls_invent_no_arguments_the_parameters_do_not_list(
     jsonschema.validate(arguments, loose.parameters)
 
 
+# What openai.pydantic_function_tool (and LangChain's bind_tools) send for a nested model:
+# local $refs into the parameters' own $defs.
+SHIP = ToolSpec(
+    "ship",
+    {
+        "$defs": {
+            "Addr": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Addr"}, "kg": {"type": "integer"}},
+        "required": ["to", "kg"],
+        "additionalProperties": False,
+    },
+    "tools.0.function.parameters",
+)
+
+
+@pytest.mark.parametrize("others", [[], [WEATHER]], ids=["one-tool", "two-tools"])
+def test_tool_parameters_with_local_refs(
+    grammars: GrammarCache, smollm2_tokenizer: Tokenizer, others: list[ToolSpec]
+) -> None:
+    spec = tool_call_spec([SHIP, *others], parallel=False)
+    for seed in range(3):
+        text = decode(grammars, smollm2_tokenizer, spec, seed)
+        call = json.loads(text[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
+        tool = {"ship": SHIP, "get_weather": WEATHER}[call["name"]]
+        jsonschema.validate(call["arguments"], tool.parameters)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mask_is_applied_in_place_and_forbids_padding_rows(
     grammars: GrammarCache, dtype: torch.dtype

@@ -18,7 +18,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import FinishReason
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, register
-from runtime.structured import json_schema_spec
+from runtime.structured import SchemaError, ToolSpec, json_schema_spec, tool_call_spec
 from runtime.structured.cache import GrammarCache
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
@@ -110,3 +110,53 @@ def test_streamed_constrained_text_is_whole(tiny: RegisteredModel) -> None:
     text, reason = asyncio.run(run())
     assert reason is FinishReason.STOP, text
     assert json.loads(text) == {"k": "ab"}
+
+
+def test_a_grammar_that_dead_ends_fails_only_its_own_request(tiny: RegisteredModel) -> None:
+    """A schema whose $refs loop without producing a token passes validation but, once the
+    output reaches the loop, leaves the matcher with no allowed token: that request fails,
+    the others in its batch go on."""
+    engine, grammars = make_engine(tiny)
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = engine.generate([[5, 6, 7]], free)[0].output_ids
+    loop = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/x"}},
+        "required": ["a"],
+        "additionalProperties": False,
+        "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}},
+    }
+    spec = json_schema_spec(loop, strict=False)
+    ids = [
+        engine.add_request([5, 6, 7], free),
+        engine.add_request([9, 10], SamplingParams(max_tokens=12), grammars.constraint(spec)),
+        engine.add_request(
+            [9, 11], SamplingParams(max_tokens=6), grammars.constraint(json_schema_spec(SCHEMA, True))
+        ),
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    free_seq, dead, good = (engine.seqs[i] for i in ids)
+    assert free_seq.output_ids == solo and free_seq.finish_reason is FinishReason.LENGTH
+    assert dead.finish_reason is FinishReason.ERROR and "grammar" in (dead.error or "")
+    assert good.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and good.error is None
+
+
+def test_a_grammar_that_allows_no_first_token_is_refused_naming_its_field(tiny: RegisteredModel) -> None:
+    _, grammars = make_engine(tiny)
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    with pytest.raises(SchemaError) as info:
+        grammars.constraint(json_schema_spec(loop, strict=False))
+    assert info.value.param == "response_format.json_schema.schema"
+    with pytest.raises(SchemaError) as info:
+        grammars.constraint(json_schema_spec({"$ref": "#"}, strict=True, param="tools.0.function.parameters"))
+    assert info.value.param == "tools.0.function.parameters"
+    # Inside a tool-call grammar the loop is reached only after the call's opening tokens:
+    # each tool's parameters are probed alone, so the error still names that tool.
+    tools = [
+        ToolSpec("ok", {"type": "object"}, "tools.0.function.parameters"),
+        ToolSpec("loop", {"$ref": "#"}, "tools.1.function.parameters"),
+    ]
+    with pytest.raises(SchemaError) as info:
+        grammars.constraint(tool_call_spec(tools, parallel=False))
+    assert info.value.param == "tools.1.function.parameters"
