@@ -257,7 +257,14 @@ class NodeAgent:
         ticket = await asyncio.to_thread(self._grant, device, quota, scope)
         try:
             message = AssignMessage(
-                instance_id, spec, model["dir"], self.pools[device].socket_path, ticket, deadline, threads
+                instance_id,
+                spec,
+                model["dir"],
+                self.pools[device].socket_path,
+                ticket,
+                deadline,
+                threads,
+                quota,
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {instance_id}: {exc}") from None

@@ -129,6 +129,7 @@ class ModelBinding:
     timings_ms: dict[str, float] = field(default_factory=dict)
     _tokens: TokenText | None = field(default=None, repr=False)  # built on first logprobs request
     grammars: GrammarCache | None = None  # built by the first constrained request
+    kv_quota_blocks: int | None = None  # KV blocks the instance's pool ticket allows (None: no quota)
 
     def encode(
         self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
@@ -208,10 +209,32 @@ class ModelBinding:
                         "unsupported_value",
                     )
             ids, params = await self.prepare(request, plan)
+            self.check_kv_room(len(ids), params.max_tokens, request.n)
             constraints = await self.constraints(plan, request.n)
         except StructuredError as exc:
             raise RequestError(str(exc), getattr(exc, "param", None), "invalid_value") from None
         return Prepared(ids, params, plan, constraints)
+
+    def check_kv_room(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """:class:`RequestError` when ``n`` choices of ``prompt_len + max_tokens`` tokens need
+        more KV blocks than the instance's quota holds (``kv_quota_blocks``): they could never
+        run together, and the engine would preempt and recompute them for as long as they ran
+        while the instance's other requests waited behind them. The count is a lower bound
+        (the prompt's full blocks shared by every choice, as the prefix cache can), so no
+        request that could fit is refused."""
+        if self.kv_quota_blocks is None:
+            return
+        block_size = self.engine.config.block_size
+        shared = prompt_len // block_size
+        need = shared + n * (-(-(prompt_len + max_tokens) // block_size) - shared)
+        if need > self.kv_quota_blocks:
+            raise RequestError(
+                f"n: {n} choice(s) of {prompt_len} prompt + {max_tokens} output tokens need {need} KV "
+                f"blocks; this instance holds at most {self.kv_quota_blocks} (ask for fewer choices or "
+                "a smaller max_tokens)",
+                "n" if n > 1 else "max_tokens",
+                "invalid_value",
+            )
 
     def streams(
         self,
@@ -255,11 +278,14 @@ def _block_prefill_s(profile: dict[str, Any]) -> float:
     return float(ms) / 1e3 / float(tokens) * int(profile["block_size"])
 
 
-def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
+def bind(
+    template: ModelTemplate, client: Any, max_tokens: int, kv_quota_bytes: int | None = None
+) -> ModelBinding:
     """Build a serving engine from the pool: acquire (resident tensors are not copied), views, KV.
 
     ``client`` is a connected :class:`gpu_pool.client.PoolClient`; it stays open for as long
     as the binding serves (closing it releases the weights, which stay resident).
+    ``kv_quota_bytes``: what the instance's pool ticket allows (see :meth:`ModelBinding.check_kv_room`).
     """
     import torch
 
@@ -284,4 +310,5 @@ def bind(template: ModelTemplate, client: Any, max_tokens: int) -> ModelBinding:
     )
     timings["build_ms"] = (time.perf_counter() - t1) * 1e3
     report: AcquireReport = client.last_acquire
-    return ModelBinding(template, engine, max_tokens, report, timings)
+    quota_blocks = None if kv_quota_bytes is None else kv_quota_bytes // int(profile["kv_block_bytes"])
+    return ModelBinding(template, engine, max_tokens, report, timings, kv_quota_blocks=quota_blocks)

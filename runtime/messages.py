@@ -23,6 +23,7 @@ from gpu_pool.errors import PoolError
 MAX_MESSAGE_BYTES = 1 << 20  # a spec document is a few KiB; anything near this is not a message
 MAX_TEXT = 4096  # characters of a path, id or ticket
 MAX_THREADS = 4096  # intra-op threads of one instance
+MAX_QUOTA_BYTES = 1 << 50  # far above any device's memory
 MAX_TIMINGS = 64  # named steps in an assign reply's timings
 MAX_TIMING_NAME = 64  # characters of a step's name
 
@@ -69,12 +70,18 @@ class AssignMessage:
     # runtime.cpu_share); None: keep the worker's. Told here, the first request already runs
     # with them instead of waiting for a /_ember/threads call after the start.
     num_threads: int | None = None
+    # The KV bytes the pool ticket lets the instance hold (None: no ticket, no quota): the
+    # worker refuses a request whose choices together could never fit in it.
+    kv_quota_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _text(self.instance_id, "instance_id")
         n = self.num_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
             raise MessageError(f"num_threads must be null or a positive integer (at most {MAX_THREADS})")
+        q = self.kv_quota_bytes
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUOTA_BYTES):
+            raise MessageError("kv_quota_bytes must be null or a non-negative integer of bytes")
         _text(self.model_dir, "model_dir")
         _text(self.pool_socket, "pool_socket")
         if self.pool_ticket is not None:
@@ -108,7 +115,7 @@ class AssignMessage:
     def from_json(cls, raw: bytes | str) -> AssignMessage:
         """The message in ``raw``; :class:`MessageError` if it is not one."""
         fields = frozenset(cls.__dataclass_fields__)
-        data = _object(raw, fields, fields - {"num_threads"})
+        data = _object(raw, fields, fields - {"num_threads", "kv_quota_bytes"})
         return cls(**data)
 
 

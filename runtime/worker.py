@@ -166,7 +166,7 @@ async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
             # arena's memory alive.
             del state.mapped[socket_path]
         try:
-            return bind(template, client, message.max_tokens), client
+            return bind(template, client, message.max_tokens, message.kv_quota_bytes), client
         except BaseException:
             client.close()
             raise

@@ -146,6 +146,13 @@ def test_errors_are_openai_error_objects(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=NAME, messages=PARTS, stop=["a", "b", "c", "d", "e"])  # type: ignore[arg-type]
     assert caught.value.param == "stop"
+    # Choices that together could never fit the instance's KV quota (8 requests of the tiny
+    # model's 256-token context) are refused up front instead of preempting each other forever.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=PARTS, n=16, max_tokens=200)  # type: ignore[arg-type]
+    assert caught.value.param == "n" and "KV blocks" in caught.value.message
+    fits = client.chat.completions.create(model=NAME, messages=PARTS, n=4, max_tokens=200)  # type: ignore[arg-type]
+    assert len(fits.choices) == 4
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-function", messages=PARTS)  # type: ignore[arg-type]
     body = missing.value.body

@@ -37,6 +37,8 @@ def test_messages_round_trip() -> None:
     # The starting instance's share of the cores rides in the assignment (absent: keep the worker's).
     assert AssignMessage.from_json(json.dumps(assign_body(num_threads=2))).num_threads == 2
     assert AssignMessage.from_json(json.dumps(assign_body())).num_threads is None
+    # So does its KV quota (what its pool ticket allows), which bounds a request's choices.
+    assert AssignMessage.from_json(json.dumps(assign_body(kv_quota_bytes=1 << 20))).kv_quota_bytes == 1 << 20
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,9 @@ def test_messages_round_trip() -> None:
         assign_body(num_threads=True),
         assign_body(num_threads=1.5),
         assign_body(num_threads=10**6),
+        assign_body(kv_quota_bytes=-1),
+        assign_body(kv_quota_bytes="1GiB"),
+        assign_body(kv_quota_bytes=False),
         assign_body(extra=1),
         {k: v for k, v in assign_body().items() if k != "deadline"},
         [1, 2],
