@@ -65,6 +65,15 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     choice = completion.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(choice.message.parsed, Capital)
+    # The same through the client's older ``beta`` namespace, which code written for it still calls.
+    beta = client.beta.chat.completions.parse(
+        model=FUNCTION,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format=Capital,
+        temperature=0,
+        max_tokens=64,
+    )
+    assert beta.choices[0].message.parsed == choice.message.parsed  # greedy: the same answer
     # json_object mode: any object, parsed by the client as JSON.
     raw = client.chat.completions.create(
         model=FUNCTION,
