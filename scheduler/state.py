@@ -424,12 +424,22 @@ class ClusterState:
         return [str(i) for i in ids]
 
     def instances(self, function: str, retry: bool = True) -> list[Instance]:
-        """The function's instance records (ordered by id); expired ones are pruned."""
-        ids = self._once_or_retry(lambda: self.r.smembers(f"{self.p}fn:{function}:instances"), retry)
+        """The function's instance records (ordered by id); expired ones are pruned. Two round
+        trips whatever the count (the records come in one pipeline): the router calls this on
+        its event loop while requests wait for a start."""
+        members = self._once_or_retry(lambda: self.r.smembers(f"{self.p}fn:{function}:instances"), retry)
+        ids = sorted(members, key=int)
+
+        def fetch() -> list[dict[str, str]]:
+            pipe = self.r.pipeline(transaction=False)
+            for i in ids:
+                pipe.hgetall(f"{self.p}instance:{i}")
+            return list(pipe.execute())
+
+        records = self._once_or_retry(fetch, retry) if ids else []
         out = []
-        for i in sorted(ids, key=int):
+        for i, h in zip(ids, records, strict=True):
             key = f"{self.p}instance:{i}"
-            h: dict[str, str] = self._once_or_retry(functools.partial(self.r.hgetall, key), retry)
             if h:
                 out.append(Instance.decode(str(i), h))
             else:  # expired (a pod killed outright) or forgotten since SMEMBERS

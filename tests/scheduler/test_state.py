@@ -155,3 +155,13 @@ def test_an_expiring_record_goes_unless_refreshed_and_readers_tolerate_it(state:
     assert 0 < state.r.pttl(f"{state.p}instance:{kept}") <= 300
     with pytest.raises(ValueError, match="TTL"):
         state.add_instance("f", "n/cpu", ttl_s=0.0)
+
+
+def test_many_instances_come_back_in_order_and_expired_ones_are_pruned(state: ClusterState) -> None:
+    """The records come in one pipeline (the router reads them on its event loop)."""
+    ids = [state.add_instance("f", "n/cpu") for _ in range(40)]
+    gone = state.add_instance("f", "n/cpu", ttl_s=0.05)  # a pod killed outright: its record expires
+    time.sleep(0.2)
+    listed = state.instances("f", retry=False)
+    assert [i.instance_id for i in listed] == ids and all(i.state == "starting" for i in listed)
+    assert gone not in state.r.smembers(f"{state.p}fn:f:instances")  # pruned on the way
