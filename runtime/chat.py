@@ -70,11 +70,6 @@ class ChatTemplate:
             self.has_tool_role = "'tool'" in template or '"tool"' in template
             self.has_developer = "developer" in template
 
-    @property
-    def supports_tools(self) -> bool:
-        """Whether the template itself reads a ``tools`` variable (else the generic rendering)."""
-        return self.reads_tools
-
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt for ``messages`` (and ``tools``, when given) with the assistant's turn
         opened (add_generation_prompt); see the module docstring for what is rewritten."""

@@ -137,9 +137,7 @@ class ModelBinding:
         """Token ids of a chat (rendered with the model's template, with the tools that
         ``plan`` offers) or completion prompt."""
         if isinstance(request, ChatRequest):
-            messages, tools = chat_messages(
-                request.template_messages(), plan, self.template.chat.supports_tools
-            )
+            messages, tools = chat_messages(request.template_messages(), plan, self.template.chat.reads_tools)
             return self.encode_chat(messages, tools)
         return self.encode_text(request.prompt)
 

@@ -18,8 +18,9 @@ from runtime.engine.scheduler import RequestFailed
 from runtime.errors import error_body
 from runtime.openai_response import sse_event, usage_body
 from runtime.openai_tools import StructuredPlan, ToolCall, read_call
+from runtime.structured.spec import TOOL_CALL_END_TAG, TOOL_CALL_TAG
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = TOOL_CALL_TAG, TOOL_CALL_END_TAG
 
 
 class ToolCallSplitter:

@@ -92,16 +92,22 @@ def write(
     return manifest
 
 
-def read(path: str | os.PathLike[str]) -> Manifest:
-    """Read the manifest of the store entry at ``path``."""
-    entry = Path(path).absolute()
-    file = entry / MANIFEST_FILE
+def _manifest_json(path: str | os.PathLike[str]) -> tuple[Path, Any]:
+    """(the manifest file, its parsed JSON) of the store entry at ``path``; :class:`ManifestError`
+    when it is missing or not JSON."""
+    file = Path(path).absolute() / MANIFEST_FILE
     try:
-        data = json.loads(file.read_text())
+        return file, json.loads(file.read_text())
     except FileNotFoundError:
         raise ManifestError(f"no store entry at {path} (missing {MANIFEST_FILE})") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{file} is not valid JSON: {exc}") from None
+
+
+def read(path: str | os.PathLike[str]) -> Manifest:
+    """Read the manifest of the store entry at ``path``."""
+    entry = Path(path).absolute()
+    _, data = _manifest_json(path)
     # File names are stored relative to the entry, so an entry can be renamed or moved whole.
     if isinstance(data, dict) and isinstance(data.get("tensors"), list):
         for t in data["tensors"]:
@@ -112,13 +118,7 @@ def read(path: str | os.PathLike[str]) -> Manifest:
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``metadata`` the store entry at ``path`` was written with (``{}`` if none)."""
-    file = Path(path).absolute() / MANIFEST_FILE
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ManifestError(f"no store entry at {path} (missing {MANIFEST_FILE})") from None
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{file} is not valid JSON: {exc}") from None
+    file, data = _manifest_json(path)
     metadata = data.get(_METADATA, {}) if isinstance(data, dict) else None
     if not isinstance(metadata, dict):
         raise ManifestError(f"{file}: {_METADATA!r} must be a JSON object")

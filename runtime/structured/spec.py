@@ -26,8 +26,9 @@ from runtime.structured.errors import SchemaError
 
 MAX_SCHEMA_BYTES = 64 * 1024  # of the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects/arrays of the schema document itself
-TOOL_CALL_OPEN = "<tool_call>\n"
-TOOL_CALL_CLOSE = "\n</tool_call>"
+TOOL_CALL_TAG, TOOL_CALL_END_TAG = "<tool_call>", "</tool_call>"  # a call's block (generic format)
+TOOL_CALL_OPEN = TOOL_CALL_TAG + "\n"  # as the grammar emits it
+TOOL_CALL_CLOSE = "\n" + TOOL_CALL_END_TAG
 # Fixed layout of generated JSON (see the module docstring); strict schemas compile with
 # unimplemented keywords as errors, non-strict ones leniently (those keywords are ignored).
 _LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
