@@ -68,6 +68,7 @@ KEEP_ALIVE = "1s"
 REPLENISH_PAUSE_S = 0.5  # idle between warm-up requests, < KEEP_ALIVE
 ISOLATED_GAP_S = 0.3  # > the router's slot lease (0.25 s), < KEEP_ALIVE
 SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
+REPORT_AGE_S = 1.2  # device reports are re-published every second
 WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
 BREAKDOWN = {
     "gateway_to_first_byte": "gateway gets the request -> worker's first SSE byte (ember_ttft_seconds)",
@@ -194,12 +195,20 @@ class Bench:
         devices = self.cluster()["devices"]
         return max((int(d.get("warm_workers", 0)) for d in devices.values()), default=0)
 
+    def quiet(self, prewarm: int) -> bool:
+        """Whether ``prewarm`` pre-warmed workers are ready and none is starting (a starting
+        worker's imports take the cores a cold start's prefill needs)."""
+        devices = self.cluster()["devices"].values()
+        warm = max((int(d.get("warm_workers", 0)) for d in devices), default=0)
+        return warm >= prewarm and not any(int(d.get("starting_workers", 0)) for d in devices)
+
     def wait_scaled_to_zero(self, prewarm: int) -> None:
-        """No instance left, the pre-warmed pool replenished, then a short quiet period."""
+        """No instance left, the pre-warmed pool replenished, then a short quiet period (device
+        reports are up to a second old: checked again after it)."""
         self.wait("the instance to expire", lambda: not self.instances())
-        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
-        time.sleep(SETTLE_S)
-        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
+        self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
+        time.sleep(max(SETTLE_S, REPORT_AGE_S))
+        self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
 
     # ----- one cold start --------------------------------------------------------------------------
 

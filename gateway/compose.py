@@ -131,6 +131,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
             home=config.home,
             arena_bytes=config.arena_bytes,
             prewarm=config.prewarm,
+            standby=config.standby,
             node=config.node,
             restart=restart,
             sandbox=SandboxConfig.from_env(),

@@ -57,6 +57,7 @@ class ServeConfig:
     api_key: str | None = None
     arena_bytes: int = 2 << 30
     prewarm: int = 2
+    standby: int = 2  # workers prepared for functions that scaled to zero (runtime.standby_pool)
     request_timeout_s: float = 300.0
     node: str = field(default_factory=socket.gethostname)
 
@@ -65,6 +66,8 @@ class ServeConfig:
             raise ValueError(f"port {self.port} is out of range")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if not 0 <= self.standby <= 64:
+            raise ValueError(f"EMBER_STANDBY must be in [0, 64], not {self.standby}")
 
     @property
     def loopback(self) -> bool:
@@ -76,8 +79,8 @@ class ServeConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
-        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_REQUEST_TIMEOUT``; then non-None overrides;
-        ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS``,
+        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_STANDBY``, ``EMBER_REQUEST_TIMEOUT``; then
+        non-None overrides; ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS``,
         ``EMBER_HANDLER_ROOTS``, the request limits and the function quota checked."""
         from gpu_pool.config import parse_size
         from runtime.registry import ember_home
@@ -95,6 +98,7 @@ class ServeConfig:
         if "EMBER_ARENA" in env:
             values["arena_bytes"] = parse_size(env["EMBER_ARENA"], "EMBER_ARENA")
         values["prewarm"] = _env_int("EMBER_PREWARM", 2)
+        values["standby"] = _env_int("EMBER_STANDBY", 2)
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -191,9 +191,19 @@ class PoolClient:
 
     def acquire(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """Pin ``manifest``'s tensors (loading missing ones) and return views into the arena."""
+        return self.views(manifest, self.acquire_placements(manifest))
+
+    def acquire_placements(self, manifest: Manifest) -> dict[str, int]:
+        """Pin ``manifest``'s tensors (loading missing ones) and return their arena offsets
+        (bytes) by name: :meth:`acquire` without making views, for a caller that holds views
+        of an earlier acquire and only needs to know whether they still point at the tensors."""
         reply = self._call("acquire", manifest_bin=manifest.encoded())
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
+        return placements
+
+    def views(self, manifest: Manifest, placements: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Views into the arena of ``manifest``'s tensors at ``placements`` (from an acquire)."""
         return {e.name: self.view(placements[e.name], e.dtype, e.shape) for e in manifest.tensors}
 
     def release(self) -> None:

@@ -8,6 +8,8 @@ with exponential backoff.
 
 The node agent (:mod:`runtime.agent`) is made of :mod:`runtime.device_pools` (the pool
 daemons and their supervision), :mod:`runtime.warm_pool` (the pre-warmed workers),
+:mod:`runtime.standby_pool` (workers prepared for functions that scaled to zero; the worker
+side is :mod:`runtime.assignment`),
 :mod:`runtime.worker_handle` (one worker as the agent sees it), :mod:`runtime.device_report`
 (the scheduler's device record) and :mod:`runtime.agent_config`. It talks to workers in
 :mod:`runtime.messages`; the assign reply carries ``gpu_pool``'s ``AcquireReport``.

@@ -4,7 +4,9 @@ One agent per node. It runs one pool daemon per device (``cpu`` always) and keep
 ``prewarm`` worker processes ready (TIDAL's process pool). Starting an instance hands a
 pre-warmed worker its function (``/_ember/assign``) and starts a replacement in the
 background, so no cold start pays for a process start or an import. Stopping an instance
-sends SIGTERM: the worker drains, releases its tensors (they stay resident) and exits. Pool
+sends SIGTERM: the worker drains, releases its tensors (they stay resident) and exits; one
+that idled out leaves a standby (:mod:`runtime.standby_pool`), which the function's next start
+activates instead of assigning a pre-warmed worker. Pool
 stats are reported through ``report`` (the scheduler's device record). The agent satisfies
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
@@ -34,7 +36,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -47,10 +49,13 @@ from runtime.device_report import device_record, read_stats
 from runtime.errors import LaunchError
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
+from runtime.standby_pool import Standbys, function_name, kv_scope
 from runtime.warm_pool import WarmPool
 from runtime.worker_handle import WorkerHandle, error_message
 
 log = logging.getLogger("ember.agent")
+
+WORKER_KEEP_ALIVE_S = 60.0  # idle connections to workers (below the worker's own 75 s)
 
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
@@ -75,6 +80,21 @@ class InstanceStart:
         return self.acquire.bytes_reused
 
 
+class _Start(NamedTuple):
+    """One launch: what the instance is and where it starts."""
+
+    instance_id: str
+    spec: dict[str, Any]
+    model: dict[str, Any]  # the registered model's document (``dir``, ``id``, ...)
+    device: str
+    deadline: float
+    threads: int | None  # its intra-op threads (CPU devices)
+
+
+class _Undelivered(LaunchError):
+    """The worker's connection failed before the assign reached it (it was ended)."""
+
+
 class NodeAgent:
     """Pools, pre-warmed workers and instances of one node (see module docstring)."""
 
@@ -83,9 +103,16 @@ class NodeAgent:
     ) -> None:
         self.config = config
         self._report = report
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.worker_start_timeout_s))
+        # Idle connections to workers stay open for a minute (the worker keeps them 75 s,
+        # runtime.worker.KEEP_ALIVE_S): the assign that activates a standby finds the one its
+        # preparation opened instead of connecting on the cold path.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.worker_start_timeout_s),
+            limits=httpx.Limits(keepalive_expiry=WORKER_KEEP_ALIVE_S),
+        )
         self._pools = DevicePools(config)
         self._workers = WarmPool(config, self._http, self._pools.sockets)
+        self._standbys = Standbys(config, self._http, self._workers, self._grant_ticket)
         self._instances: dict[str, WorkerHandle] = {}
         self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
@@ -139,6 +166,7 @@ class NodeAgent:
         instances, self._instances = list(self._instances.values()), {}
         await asyncio.gather(
             self._workers.close(),
+            self._standbys.close(),
             *(w.terminate(self.config.drain_timeout_s) for w in instances),
             return_exceptions=True,
         )
@@ -167,58 +195,27 @@ class NodeAgent:
     async def launch(
         self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
     ) -> InstanceStart:
-        """Turn a pre-warmed worker into an instance of ``spec`` on ``device_id``."""
+        """Turn a standby of the function (:mod:`runtime.standby_pool`) or else a pre-warmed
+        worker into an instance of ``spec`` on ``device_id``."""
         device = device_id.split("/", 1)[1]
         if device not in self.pools:
             raise LaunchError(f"this node has no pool for {device_id}")
         await self._pools.wait_until_up(device, deadline)
         self._workers.adopt(model["dir"])
-        drain_s = self.config.drain_timeout_s
-        body: str | None = None
         threads = self._new_instance_threads() if device == "cpu" else None
-        for attempt in range(self.config.prewarm + 1):
-            worker = await self._workers.take()
-            # Replenish while this one serves.
-            self._workers.spawn_in_background(self.config.replenish_delay_s)
-            if body is None:  # once a worker is there (a start that backs off fails first)
-                try:
-                    body = await self._assign_body(instance_id, spec, model, device, deadline, threads)
-                except BaseException:
-                    self._workers.put_back(worker)  # unused: the next launch takes it
-                    raise
-            # Out of SCHED_IDLE before it builds the instance: a worker without capabilities
-            # cannot do that itself (runtime.worker_limits).
-            boost(worker.proc.pid)
-            try:
-                resp = await worker.post(self._http, "assign", body)
-            except httpx.ConnectError as exc:  # a dead worker: nothing was delivered, take another
-                await worker.terminate(drain_s)
-                if attempt == self.config.prewarm:
-                    raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
-                continue
-            except httpx.HTTPError as exc:
-                await worker.terminate(drain_s)
-                raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
-            break
-        if resp.status_code != 200:
-            await worker.terminate(drain_s)
-            raise LaunchError(f"worker refused the function: {error_message(resp)}")
-        try:
-            reply = AssignReply.from_json(resp.content)
-        except MessageError as exc:
-            await worker.terminate(drain_s)
-            raise LaunchError(f"worker {worker.pid} sent a malformed assign reply: {exc}") from None
-        # The function's qualified id (scheduler.names, not imported: runtime stays independent of
-        # the scheduler): "ns/name", two path components; the plain name in "default".
-        meta = spec["metadata"]
-        namespace = meta.get("namespace", "default")
-        name = meta["name"] if namespace == "default" else f"{namespace}/{meta['name']}"
+        start = _Start(instance_id, spec, model, device, deadline, threads)
+        started = await self._from_standby(start)
+        if started is None:
+            started = await self._from_prewarmed(start)
+        worker, message, reply = started
+        name = function_name(spec)
         log_path = self.config.log_dir / "functions" / name / f"instance-{instance_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
         worker.log_path = log_path
         worker.device = device
         worker.threads = threads
+        worker.assigned = message
         self._instances[instance_id] = worker
         # The others' share shrank: told in the background, off this start's path (each
         # instance applies it between two engine steps).
@@ -234,41 +231,95 @@ class NodeAgent:
         )
         return InstanceStart(worker.url, worker.pid, reply.acquire, timings, str(log_path), worker.token)
 
+    async def _from_standby(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply] | None:
+        """Activate the function's standby; None when it has none or it failed (then ended)."""
+        standby = await self._standbys.take(start.spec, start.model["dir"], start.device)
+        if standby is None:
+            return None
+        worker, prepared = standby.worker, standby.message
+        message = AssignMessage(
+            start.instance_id,
+            start.spec,
+            prepared.model_dir,
+            prepared.pool_socket,
+            prepared.pool_ticket,
+            start.deadline,
+            start.threads,
+            prepared.kv_quota_bytes,
+        )
+        boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
+        try:
+            return worker, message, await self._assign(worker, message)
+        except LaunchError as exc:  # the ordinary start still can
+            log.warning("standby failed, %s starts from a pre-warmed worker: %s", start.instance_id, exc)
+            return None
+
+    async def _from_prewarmed(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply]:
+        """Assign a pre-warmed worker (another one when the one taken turns out dead)."""
+        message: AssignMessage | None = None
+        for attempt in range(self.config.prewarm + 1):
+            worker = await self._workers.take()
+            # Replenish while this one serves.
+            self._workers.spawn_in_background(self.config.replenish_delay_s)
+            if message is None:  # once a worker is there (a start that backs off fails first)
+                try:
+                    message = await self._assign_message(start)
+                except BaseException:
+                    self._workers.put_back(worker)  # unused: the next launch takes it
+                    raise
+            # Out of SCHED_IDLE before it builds the instance: a worker without capabilities
+            # cannot do that itself (runtime.worker_limits).
+            boost(worker.proc.pid)
+            try:
+                return worker, message, await self._assign(worker, message)
+            except _Undelivered as exc:  # a dead worker: nothing was delivered, take another
+                if attempt == self.config.prewarm:
+                    raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _assign(self, worker: WorkerHandle, message: AssignMessage) -> AssignReply:
+        """``/_ember/assign`` ``message`` to ``worker``; a worker that fails it is ended
+        (:class:`_Undelivered` when the connection failed: nothing reached it)."""
+        drain_s = self.config.drain_timeout_s
+        try:
+            resp = await worker.post(self._http, "assign", message.to_json())
+        except httpx.ConnectError as exc:
+            await worker.terminate(drain_s)
+            raise _Undelivered(str(exc)) from None
+        except httpx.HTTPError as exc:
+            await worker.terminate(drain_s)
+            raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
+        if resp.status_code != 200:
+            await worker.terminate(drain_s)
+            raise LaunchError(f"worker refused the function: {error_message(resp)}")
+        try:
+            return AssignReply.from_json(resp.content)
+        except MessageError as exc:
+            await worker.terminate(drain_s)
+            raise LaunchError(f"worker {worker.pid} sent a malformed assign reply: {exc}") from None
+
     def _new_instance_threads(self) -> int:
         """The intra-op threads of an instance about to start on the CPU device (its share
         with the instances already there: :meth:`runtime.cpu_share.CpuShare.share`)."""
         running = sum(1 for w in self._instances.values() if w.running and w.device == "cpu")
         return self._cpu_share.share(running + 1)
 
-    async def _assign_body(
-        self,
-        instance_id: str,
-        spec: dict[str, Any],
-        model: dict[str, Any],
-        device: str,
-        deadline: float,
-        threads: int | None,
-    ) -> str:
+    async def _assign_message(self, start: _Start) -> AssignMessage:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
+        spec, model_dir, device = start.spec, start.model["dir"], start.device
         concurrency = int(spec["spec"]["scaling"]["concurrency"])
-        quota = await asyncio.to_thread(self._kv_quota, model["dir"], concurrency)
-        meta = spec["metadata"]
-        scope = f"{meta.get('namespace', 'default')}/{meta['name']}"  # prefix KV stays per function
-        ticket = await asyncio.to_thread(self._grant, device, quota, scope)
+        quota = await asyncio.to_thread(self._kv_quota, model_dir, concurrency)
+        ticket = await self._grant_ticket(device, quota, kv_scope(spec))
+        socket_path = self.pools[device].socket_path
         try:
-            message = AssignMessage(
-                instance_id,
-                spec,
-                model["dir"],
-                self.pools[device].socket_path,
-                ticket,
-                deadline,
-                threads,
-                quota,
+            return AssignMessage(
+                start.instance_id, spec, model_dir, socket_path, ticket, start.deadline, start.threads, quota
             )
         except MessageError as exc:
-            raise LaunchError(f"cannot assign instance {instance_id}: {exc}") from None
-        return message.to_json()
+            raise LaunchError(f"cannot assign instance {start.instance_id}: {exc}") from None
+
+    async def _grant_ticket(self, device: str, kv_quota_bytes: int, prefix_scope: str) -> str:
+        return await asyncio.to_thread(self._grant, device, kv_quota_bytes, prefix_scope)
 
     def _kv_quota(self, model_dir: str, concurrency: int) -> int:
         """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
@@ -309,11 +360,14 @@ class NodeAgent:
             freed += await asyncio.to_thread(evict_one, pool.socket_path, pool.admin_token)
         return freed
 
-    async def stop(self, instance_id: str) -> None:
-        """Drain and stop an instance (SIGTERM, SIGKILL after the drain timeout)."""
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
+        """Drain and stop an instance (SIGTERM, SIGKILL after the drain timeout); ``standby``:
+        it idled out, prepare a standby for its function (:mod:`runtime.standby_pool`)."""
         worker = self._instances.pop(instance_id, None)
         if worker is not None:
             await worker.terminate(self.config.drain_timeout_s)
+            if standby and worker.assigned is not None and self.pool_alive(worker.device):
+                self._spawn(self._standbys.prepare(worker.assigned, worker.device))
             await self._share_cores()
 
     async def _share_cores(self, measure: bool = False) -> None:
@@ -323,7 +377,10 @@ class NodeAgent:
         async with self._sharing:
             workers = [w for w in self._instances.values() if w.running and w.device == "cpu"]
             per = self._cpu_share.decide(
-                time.monotonic(), [w.pid for w in workers], self._workers.idle_pids(), measure
+                time.monotonic(),
+                [w.pid for w in workers],
+                self._workers.idle_pids() + self._standbys.pids(),
+                measure,
             )
             if per is None:
                 return
@@ -358,7 +415,9 @@ class NodeAgent:
     # ----- reports --------------------------------------------------------------------------------
 
     async def report(self) -> dict[str, dict[str, Any]]:
-        """Read every pool's stats and publish them as device records."""
+        """Read every pool's stats and publish them as device records (and end standbys past
+        their time)."""
+        await self._standbys.expire()
         out: dict[str, dict[str, Any]] = {}
         for device, pool in self.pools.items():
             if not self.pool_alive(device):
@@ -368,7 +427,8 @@ class NodeAgent:
             except (OSError, PoolError) as exc:  # it died since the check: supervision restarts it
                 log.info("no report for %s this time: its pool did not answer (%s)", device, exc)
                 continue
-            record = device_record(self.config.node, device, stats, self._workers.report())
+            workers = {**self._workers.report(), **self._standbys.report()}
+            record = device_record(self.config.node, device, stats, workers)
             out[self.device_id(device)] = record
             if self._report is not None:
                 await asyncio.to_thread(self._report, self.device_id(device), record)
@@ -392,6 +452,7 @@ class NodeAgent:
     async def _pool_died(self, device: str) -> None:
         """Fail the instances on ``device`` fast and mark the workers that mapped its arena."""
         victims = [w for w in self._instances.values() if w.device == device]
+        victims += self._standbys.pool_died(device)
         for worker in victims:  # SIGKILL: its session and KV blocks are gone, nothing to drain
             worker.kill()
         self._workers.mark_stale()

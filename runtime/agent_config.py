@@ -18,6 +18,10 @@ class AgentConfig:
     home: Path  # EMBER_HOME: model store, sockets, logs
     arena_bytes: int = 2 << 30
     prewarm: int = 2  # pre-warmed workers kept ready
+    # Workers prepared for functions that scaled to zero (runtime.standby_pool), at most this
+    # many per node, each for at most standby_ttl_s (0: none).
+    standby: int = 2
+    standby_ttl_s: float = 600.0
     node: str = field(default_factory=socket.gethostname)
     worker_start_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
@@ -46,6 +50,8 @@ class AgentConfig:
             raise ValueError("prewarm_idle_limit_s must be > 0")
         if self.prewarm < 0:
             raise ValueError("prewarm must be >= 0")
+        if not 0 <= self.standby <= 64 or not self.standby_ttl_s > 0:
+            raise ValueError("standby must be in [0, 64] and standby_ttl_s > 0")
         if not self.node or "/" in self.node:
             raise ValueError(f"node name {self.node!r} must be non-empty without '/'")
 

@@ -50,6 +50,8 @@ class ModelTemplate:
     eos_ids: frozenset[int]
     profile: dict[str, Any]
     chat: ChatTemplate
+    # The pool manifest (gpu_pool.manifest.Manifest), read and encoded once: every acquire sends it.
+    manifest: Any
 
 
 def load_template(model_dir: Path) -> ModelTemplate:
@@ -63,7 +65,11 @@ def load_template(model_dir: Path) -> ModelTemplate:
     cfg_path = model.directory / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     chat = ChatTemplate(tok_cfg.get("chat_template"), tok_cfg)
-    return ModelTemplate(model, tok, tok_cfg, frozenset(eos_ids(model, tok)), model.profile("cpu"), chat)
+    manifest = model.manifest()
+    manifest.encoded()  # cached on the manifest: the first acquire does not pay for it
+    return ModelTemplate(
+        model, tok, tok_cfg, frozenset(eos_ids(model, tok)), model.profile("cpu"), chat, manifest
+    )
 
 
 def warm_up(
@@ -285,17 +291,31 @@ def bind(
     as the binding serves (closing it releases the weights, which stay resident).
     ``kv_quota_bytes``: what the instance's pool ticket allows (see :meth:`ModelBinding.check_kv_room`).
     """
+    t0 = time.perf_counter()
+    placements = client.acquire_placements(template.manifest)
+    timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
+    return bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings)
+
+
+def bind_at(
+    template: ModelTemplate,
+    client: Any,
+    placements: dict[str, int],
+    max_tokens: int,
+    kv_quota_bytes: int | None = None,
+    timings: dict[str, float] | None = None,
+) -> ModelBinding:
+    """:func:`bind` for weights ``client`` acquired at ``placements`` (arena offsets by tensor
+    name): the views and the engine. ``timings`` gains ``build_ms``."""
     import torch
 
     from runtime.engine.build import PoolKV, build_engine
     from runtime.models.llama import LlamaConfig, LlamaModel
 
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    profile = template.profile
-    tensors = client.acquire(template.model.manifest())
+    timings = {} if timings is None else timings
     t1 = time.perf_counter()
-    timings["acquire_ms"] = (t1 - t0) * 1e3
+    profile = template.profile
+    tensors = client.views(template.manifest, placements)
     config = LlamaConfig.from_hf(template.model.config)
     dtype = getattr(torch, profile["kv_dtype"])
     engine = build_engine(

@@ -38,10 +38,11 @@ from typing import Protocol
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from runtime.assignment import assign
 from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.heartbeat import Heartbeat
 from runtime.messages import AssignMessage
-from runtime.worker import WorkerState, assign, build_app
+from runtime.worker import WorkerState, build_app
 from runtime.worker_guard import GuardConfig, WorkerGuard
 
 PORT_ENV = "PORT"
@@ -185,14 +186,14 @@ def build_knative_app(state: WorkerState, lifecycle: Lifecycle) -> FastAPI:
 
 
 async def _attach(state: WorkerState, message: AssignMessage, wait_s: float) -> None:
-    """:func:`runtime.worker.assign`, retried while the node's pool is not reachable yet."""
+    """:func:`runtime.assignment.assign`, retried while the node's pool is not reachable yet."""
     deadline = time.monotonic() + wait_s
     state.assigning = True  # no /_ember/assign meanwhile
     waiting = False
     try:
         while True:
             try:
-                report = await assign(state, message)
+                state.assignment, report = await assign(state, message)
                 break
             except ConnectionError as exc:
                 if time.monotonic() >= deadline:

@@ -1,5 +1,5 @@
-"""The agent's messages to its workers (``/_ember/assign``, ``/_ember/preload``, ``/_ember/threads``)
-and the worker's reply to an assign (:class:`AssignReply`).
+"""The agent's messages to its workers (``/_ember/assign``, ``/_ember/standby``, ``/_ember/preload``,
+``/_ember/threads``) and the worker's replies to an assign and a standby.
 
 Each message is a frozen dataclass with ``to_json`` (what the sender sends) and ``from_json``
 (what the receiver accepts). ``from_json`` checks the body's size, that it is a JSON object with
@@ -56,6 +56,36 @@ def _text(value: Any, what: str) -> str:
     return value
 
 
+def _check_function(
+    spec: Any, model_dir: Any, pool_socket: Any, pool_ticket: Any, kv_quota_bytes: Any
+) -> None:
+    """The fields an assign and a standby share: the function, its model and its pool session."""
+    q = kv_quota_bytes
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUOTA_BYTES):
+        raise MessageError("kv_quota_bytes must be null or a non-negative integer of bytes")
+    _text(model_dir, "model_dir")
+    _text(pool_socket, "pool_socket")
+    if pool_ticket is not None:
+        _text(pool_ticket, "pool_ticket")
+    body = spec.get("spec") if isinstance(spec, dict) else None
+    if not isinstance(body, dict) or not isinstance(spec.get("metadata"), dict):
+        raise MessageError("spec must be a function spec document (metadata, spec)")
+    _text(body.get("handler"), "spec.spec.handler")
+    tokens = body.get("maxTokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise MessageError("spec.spec.maxTokens must be a positive integer")
+
+
+def _timings(timings: Any) -> None:
+    if not isinstance(timings, dict) or len(timings) > MAX_TIMINGS:
+        raise MessageError(f"timings_ms must be an object of at most {MAX_TIMINGS} steps")
+    for name, ms in timings.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TIMING_NAME:
+            raise MessageError(f"timings_ms: step names have 1 to {MAX_TIMING_NAME} characters")
+        if isinstance(ms, bool) or not isinstance(ms, int | float) or not (math.isfinite(ms) and ms >= 0):
+            raise MessageError(f"timings_ms: {name!r} must be a finite, non-negative number")
+
+
 @dataclass(frozen=True, slots=True)
 class AssignMessage:
     """``/_ember/assign``: become instance ``instance_id`` of the function ``spec``."""
@@ -79,24 +109,11 @@ class AssignMessage:
         n = self.num_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
             raise MessageError(f"num_threads must be null or a positive integer (at most {MAX_THREADS})")
-        q = self.kv_quota_bytes
-        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUOTA_BYTES):
-            raise MessageError("kv_quota_bytes must be null or a non-negative integer of bytes")
-        _text(self.model_dir, "model_dir")
-        _text(self.pool_socket, "pool_socket")
-        if self.pool_ticket is not None:
-            _text(self.pool_ticket, "pool_ticket")
+        _check_function(self.spec, self.model_dir, self.pool_socket, self.pool_ticket, self.kv_quota_bytes)
         if isinstance(self.deadline, bool) or not isinstance(self.deadline, int | float):
             raise MessageError("deadline must be a number of epoch seconds")
         if not math.isfinite(self.deadline) or self.deadline <= 0:
             raise MessageError("deadline must be a finite, positive number of epoch seconds")
-        body = self.spec.get("spec") if isinstance(self.spec, dict) else None
-        if not isinstance(body, dict) or not isinstance(self.spec.get("metadata"), dict):
-            raise MessageError("spec must be a function spec document (metadata, spec)")
-        _text(body.get("handler"), "spec.spec.handler")
-        tokens = body.get("maxTokens")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise MessageError("spec.spec.maxTokens must be a positive integer")
 
     @property
     def handler(self) -> str:
@@ -117,6 +134,65 @@ class AssignMessage:
         fields = frozenset(cls.__dataclass_fields__)
         data = _object(raw, fields, fields - {"num_threads", "kv_quota_bytes"})
         return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyMessage:
+    """``/_ember/standby``: prepare to become an instance of ``spec`` (everything an assign
+    does that needs no instance: :mod:`runtime.assignment`). The assign that activates the
+    standby must carry the same function, model, pool, ticket and quota."""
+
+    spec: dict[str, Any]
+    model_dir: str
+    pool_socket: str
+    pool_ticket: str | None  # the standby's pool session redeems it (the instance's KV quota)
+    kv_quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_function(self.spec, self.model_dir, self.pool_socket, self.pool_ticket, self.kv_quota_bytes)
+
+    @property
+    def handler(self) -> str:
+        """The function's handler: ``default`` or ``module.py:function``."""
+        return str(self.spec["spec"]["handler"])
+
+    def activated_by(self, message: AssignMessage) -> bool:
+        """Whether ``message`` assigns the function this standby prepared (same spec, model,
+        pool session and quota)."""
+        return (
+            message.spec == self.spec
+            and message.model_dir == self.model_dir
+            and message.pool_socket == self.pool_socket
+            and message.pool_ticket == self.pool_ticket
+            and message.kv_quota_bytes == self.kv_quota_bytes
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> StandbyMessage:
+        """The message in ``raw``; :class:`MessageError` if it is not one."""
+        fields = frozenset(cls.__dataclass_fields__)
+        return cls(**_object(raw, fields, fields - {"kv_quota_bytes"}))
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyReply:
+    """The worker's answer to ``/_ember/standby``: prepared, its steps took ``timings_ms``."""
+
+    timings_ms: dict[str, float]  # step name -> milliseconds
+
+    def __post_init__(self) -> None:
+        _timings(self.timings_ms)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> StandbyReply:
+        """The reply in ``raw``; :class:`MessageError` if it is not one."""
+        return cls(**_object(raw, frozenset({"timings_ms"}), frozenset({"timings_ms"})))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,14 +244,7 @@ class AssignReply:
 
     def __post_init__(self) -> None:
         _text(self.instance_id, "instance_id")
-        timings = self.timings_ms
-        if not isinstance(timings, dict) or len(timings) > MAX_TIMINGS:
-            raise MessageError(f"timings_ms must be an object of at most {MAX_TIMINGS} steps")
-        for name, ms in timings.items():
-            if not isinstance(name, str) or not 0 < len(name) <= MAX_TIMING_NAME:
-                raise MessageError(f"timings_ms: step names have 1 to {MAX_TIMING_NAME} characters")
-            if isinstance(ms, bool) or not isinstance(ms, int | float) or not (math.isfinite(ms) and ms >= 0):
-                raise MessageError(f"timings_ms: {name!r} must be a finite, non-negative number")
+        _timings(self.timings_ms)
         if not isinstance(self.acquire, AcquireReport):
             raise MessageError("acquire must be an acquire report")
 

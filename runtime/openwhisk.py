@@ -54,6 +54,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from runtime.assignment import assign
 from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
@@ -61,7 +62,7 @@ from runtime.messages import AssignMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import completion_body
 from runtime.openai_tools import tool_message
-from runtime.worker import WorkerState, assign
+from runtime.worker import WorkerState
 from runtime.worker_guard import BodyLimit
 
 SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
@@ -239,7 +240,7 @@ async def _initialize(action: ActionState, value: InitValue, prepare: Prepare) -
     except (EmberRuntimeError, ValueError, OSError, KeyError) as exc:
         raise ActionError(502, f"the action cannot be initialized: {exc}") from None
     try:
-        await assign(action.worker, message)
+        action.worker.assignment, _ = await assign(action.worker, message)
     except (EmberRuntimeError, ValueError, OSError, KeyError) as exc:
         raise ActionError(502, f"the action cannot be initialized: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # the handler's own initializer failed

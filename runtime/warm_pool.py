@@ -97,8 +97,10 @@ class WarmPool:
         return self.config.prewarm == 0 or any(w.running for w in self._warm)
 
     def report(self) -> dict[str, Any]:
-        """The device report's view of the pool: ready workers and failing starts."""
-        return {"warm_workers": len(self._warm), **self.backoff.report()}
+        """The device report's view of the pool: ready workers, starts under way (or waiting
+        for their delay) and failing starts."""
+        starting = self._pending_spawns
+        return {"warm_workers": len(self._warm), "starting_workers": starting, **self.backoff.report()}
 
     # ----- starting -------------------------------------------------------------------------------
 
@@ -246,6 +248,14 @@ class WarmPool:
                 raise LaunchError(f"no pre-warmed worker became ready in time {errors}".strip())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), min(left, 1.0))
+
+    def take_ready(self) -> WorkerHandle | None:
+        """A pre-warmed worker ready now, or None (for work that must never wait for one)."""
+        while self._warm:
+            worker = self._warm.pop(0)
+            if worker.running:
+                return worker
+        return None
 
     def put_back(self, worker: WorkerHandle) -> None:
         """Return an unused worker: the next launch takes it first."""

@@ -8,7 +8,8 @@ for its life), attaches to its device's pool, binds the model to the pool's tens
 (resident tensors are not copied), builds the engine from the materialized profile and, for a
 custom handler, runs its static initializer. It then serves OpenAI-compatible
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke``
-(the function's handler).
+(the function's handler). ``POST /_ember/standby`` prepares a pre-warmed worker for one
+function ahead of time, and the assign that follows activates it (:mod:`runtime.assignment`).
 On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
 so the weights stay resident, inactive, for the next instance.
 
@@ -25,10 +26,9 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,20 +37,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError, error_body
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
-from runtime.instance import ModelBinding, ModelTemplate, bind, load_template, warm_up
-from runtime.messages import AssignMessage, AssignReply, MessageError, PreloadMessage, ThreadsMessage
+from runtime.instance import ModelTemplate, load_template, warm_up
+from runtime.messages import AssignMessage, MessageError, PreloadMessage, StandbyMessage, ThreadsMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
 from runtime.openai_tool_stream import tool_sse_chunks
 from runtime.openai_tools import tool_message
-from runtime.process import set_idle_priority
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
-from runtime.sdk import LLM, HandlerRunner, load_handler
 from runtime.server_timing import ServerTiming
 from runtime.worker_guard import GuardConfig, WorkerGuard
 
@@ -63,29 +62,14 @@ KEEP_ALIVE_S = 75
 
 
 @dataclass
-class Assignment:
-    """The function this worker serves and what serves it."""
-
-    instance_id: str
-    spec: dict[str, Any]
-    binding: ModelBinding
-    client: Any  # gpu_pool.client.PoolClient
-    runner: HandlerRunner | None  # None for the default (chat/completions) handler
-    driver: asyncio.Task[None]
-
-    @property
-    def name(self) -> str:
-        return str(self.spec["metadata"]["name"])
-
-
-@dataclass
 class WorkerState:
     """Everything a worker holds: preloaded templates and, once assigned, its function."""
 
     templates: dict[str, ModelTemplate] = field(default_factory=dict)
     mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
     assignment: Assignment | None = None
-    assigning: bool = False
+    standby: Standby | None = None  # prepared for one function (runtime.assignment), until assigned
+    assigning: bool = False  # an assign or a standby is being prepared
     sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
@@ -98,6 +82,9 @@ class WorkerState:
         return self.templates[model_dir]
 
     def close(self) -> None:
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
         a = self.assignment
         if a is not None:
             a.driver.cancel()
@@ -130,74 +117,6 @@ def _failed(exc: RequestFailed) -> JSONResponse:
     return _error(503 if isinstance(exc, KVCacheExhausted) else 500, exc.code, str(exc))
 
 
-def _pool_lost() -> None:
-    """Called from the pool client's watch thread when the pool daemon is gone."""
-    logging.getLogger("ember.worker").error("the pool daemon went away: draining and exiting")
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-async def assign(state: WorkerState, message: AssignMessage) -> AssignReply:
-    """Become instance ``message.instance_id`` of ``message.spec``'s function (see module docstring)."""
-    from gpu_pool.client import PoolClient
-
-    t0 = time.perf_counter()
-    spec = message.spec
-    # First: the threads this assignment starts (the pool's watch thread, the thread pool's
-    # new threads) are then born under the function's sandbox layer.
-    await state.sandbox.confine(spec)
-    t_sandbox = time.perf_counter()
-    set_idle_priority(False)
-    if message.num_threads is not None:
-        import torch
-
-        torch.set_num_threads(message.num_threads)  # on the event loop's thread, which steps the engine
-    template = state.templates.get(message.model_dir)
-    if template is None:
-        template = await asyncio.to_thread(state.template, message.model_dir)
-    t_template = time.perf_counter()
-
-    def attach() -> tuple[ModelBinding, Any]:
-        socket_path = message.pool_socket
-        # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
-        client = PoolClient(socket_path, mapped=state.mapped.get(socket_path), ticket=message.pool_ticket)
-        premapped = state.mapped.get(socket_path)
-        if premapped is not None and premapped.handle != client.arena_handle:
-            # A restarted pool's new arena: drop the old mapping, which alone keeps the old
-            # arena's memory alive.
-            del state.mapped[socket_path]
-        try:
-            return bind(template, client, message.max_tokens, message.kv_quota_bytes), client
-        except BaseException:
-            client.close()
-            raise
-
-    binding, client = await asyncio.to_thread(attach)
-    # An instance whose pool died cannot allocate KV or trust its weights' residency: it drains
-    # (SIGTERM: no new connections, in-flight requests finish) and exits, and is started again
-    # on the restarted pool.
-    client.watch(_pool_lost)
-    loop = asyncio.get_running_loop()
-    driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
-    runner = None
-    try:
-        if message.handler != DEFAULT_HANDLER:
-            runner = HandlerRunner(load_handler(message.handler), spec, LLM(binding, loop))
-            await runner.setup(message.deadline)
-    except BaseException:
-        driver.cancel()
-        binding.engine.close()
-        client.close()
-        raise
-    state.assignment = Assignment(message.instance_id, spec, binding, client, runner, driver)
-    timings = {
-        "sandbox_ms": (t_sandbox - t0) * 1e3,
-        "template_ms": (t_template - t_sandbox) * 1e3,
-        **binding.timings_ms,
-    }
-    timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
-    return AssignReply(message.instance_id, timings, binding.acquire_report)
-
-
 def build_app(state: WorkerState) -> FastAPI:
     """The FastAPI app of a worker (pre-warmed until assigned); :func:`serve` wraps it in
     :class:`WorkerGuard`."""
@@ -216,7 +135,10 @@ def build_app(state: WorkerState) -> FastAPI:
     async def healthz() -> dict[str, Any]:
         a = state.assignment
         if a is None:
-            return {"status": "ok", "state": "idle", "templates": sorted(state.templates)}
+            ready = {"status": "ok", "templates": sorted(state.templates)}
+            if state.standby is not None:
+                return {**ready, "state": "standby", "function": state.standby.name}
+            return {**ready, "state": "idle"}
         import torch
 
         model = a.binding.template.model.model_id
@@ -255,13 +177,37 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/_ember/assign")
     async def assign_route(raw: Request) -> Any:
+        async def become() -> Response:
+            message = AssignMessage.from_json(await raw.body())
+            standby, state.standby = state.standby, None
+            if standby is None:
+                state.assignment, reply = await assign(state, message)
+            else:
+                try:
+                    state.assignment, reply = await activate(standby, message)
+                except StandbyMismatch:
+                    state.standby = standby  # untouched: the agent ends this worker
+                    raise
+            return Response(reply.to_json(), media_type="application/json")
+
+        return await _assigning(become)
+
+    @app.post("/_ember/standby")
+    async def standby_route(raw: Request) -> Any:
+        async def prepared() -> Response:
+            state.standby, reply = await prepare(state, StandbyMessage.from_json(await raw.body()))
+            return Response(reply.to_json(), media_type="application/json")
+
+        return await _assigning(prepared)
+
+    async def _assigning(step: Callable[[], Awaitable[Response]]) -> Response:
+        """Run an assign or a standby's preparation, one at a time, its errors as JSON."""
         if state.assignment is not None or state.assigning:
             return _error(409, "already_assigned", "this worker already serves a function")
         state.assigning = True
         try:
-            reply = await assign(state, AssignMessage.from_json(await raw.body()))
-            return Response(reply.to_json(), media_type="application/json")
-        except ConfinedElsewhere as exc:
+            return await step()
+        except (ConfinedElsewhere, StandbyMismatch) as exc:
             return _error(409, exc.code, str(exc))
         except SandboxError as exc:  # the function's layer could not be stacked: not its code's fault
             return _error(500, exc.code, str(exc))
@@ -431,7 +377,7 @@ def serve(
         state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
         await rehearse()  # the request path's lazy imports, off the cold path
         if assignment is not None:
-            await assign(state, assignment)
+            state.assignment, _ = await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from runtime.messages import AssignMessage
 from runtime.worker_guard import TOKEN_HEADER
 
 JSON_HEADERS = {"content-type": "application/json"}  # the agent's messages are runtime.messages JSON
@@ -30,6 +31,7 @@ class WorkerHandle:
     token: str
     device: str = ""  # the pool device its instance runs on ("" while pre-warmed)
     threads: int | None = None  # intra-op threads the agent last gave its instance (None: none yet)
+    assigned: AssignMessage | None = None  # what made it an instance (a standby is prepared from it)
 
     @property
     def pid(self) -> int:

@@ -45,8 +45,10 @@ class BaseLauncher(Protocol):
         """Start ``instance_id`` of the function ``spec`` with ``model`` on ``device_id``."""
         ...
 
-    async def stop(self, instance_id: str) -> None:
-        """Drain and stop an instance (a no-op for one it does not run)."""
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
+        """Drain and stop an instance (a no-op for one it does not run). ``standby``: it idled
+        past its keep-alive, and the launcher may prepare its function's next start ahead of
+        time (the node agent's standby workers); false when it was retired or lost."""
         ...
 
     def alive(self, instance_id: str) -> bool:

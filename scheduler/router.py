@@ -267,7 +267,7 @@ class Router:
         """Drain the instances on ``devices`` idle past their keep-alive (minScale stay)."""
         min_scale = record.scaling.min_scale
         for instance_id in await asyncio.to_thread(self.state.expire, name, min_scale, now, devices):
-            self._spawn(self._drain(name, instance_id))
+            self._spawn(self._drain(name, instance_id, standby=True))
 
     async def forget_dead(self, name: str, devices: list[str]) -> None:
         """Forget the instances on ``devices`` whose process died, and starts nobody finishes."""
@@ -316,8 +316,10 @@ class Router:
                     continue
                 self._spawn(self._drain(name, inst.instance_id))
 
-    async def _drain(self, name: str, instance_id: str) -> None:
-        await self.launcher.stop(instance_id)
+    async def _drain(self, name: str, instance_id: str, standby: bool = False) -> None:
+        """Stop ``instance_id``; ``standby``: it idled out (the launcher may prepare the next
+        start of ``name`` ahead of time), not retired."""
+        await self.launcher.stop(instance_id, standby)
         await asyncio.to_thread(self.state.forget_from, name, instance_id, "draining")
         await self.launcher.report()  # residency is unchanged, but pins and sessions are not
 

@@ -33,7 +33,7 @@ class RoutingOnlyLauncher:
     ) -> StartedInstance:
         raise RuntimeError("this gateway starts no instances")
 
-    async def stop(self, instance_id: str) -> None:
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
         return None
 
     def alive(self, instance_id: str) -> bool:
@@ -159,7 +159,7 @@ class DeadInstanceLauncher(RoutingOnlyLauncher):
         self.dead = dead
         self.stopped: list[str] = []
 
-    async def stop(self, instance_id: str) -> None:
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
         self.stopped.append(instance_id)
 
     def alive(self, instance_id: str) -> bool:
@@ -182,6 +182,42 @@ def test_instance_lost_forgets_a_dead_instance_and_frees_a_live_ones_slot(state:
         other = await r.route("g", RECORD, time.time() + 10)
         assert not await r.instance_lost("g", other, 30.0)  # alive (or not ours): the slot is freed
         assert in_flight(state, "g") == 0 and [i.instance_id for i in state.instances("g")] == [live]
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+class StopRecordingLauncher(RoutingOnlyLauncher):
+    """Records every stop and whether it asked for a standby."""
+
+    def __init__(self) -> None:
+        self.stops: list[tuple[str, bool]] = []
+
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
+        self.stops.append((instance_id, standby))
+
+
+def test_an_idled_out_instance_is_stopped_with_a_standby_and_a_retired_one_without(
+    state: ClusterState,
+) -> None:
+    idle = ready_instance(state)
+
+    async def scenario() -> None:
+        launcher = StopRecordingLauncher()
+        r = Router(state, launcher, RouterConfig(lease_s=0.0))
+        await r.expire_idle("f", RECORD, [DEVICE], time.time() + 60)  # past its 30 s keep-alive
+        for _ in range(100):
+            if launcher.stops:
+                break
+            await asyncio.sleep(0.01)
+        assert launcher.stops == [(idle, True)]
+        retired = ready_instance(state)
+        await r.retire("f")  # a redeploy or delete: the next start must not reuse its preparation
+        for _ in range(100):
+            if len(launcher.stops) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert launcher.stops == [(idle, True), (retired, False)]
         await r.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,247 @@
+"""Turning a worker into an instance: at once (:func:`assign`), or ahead of time (a standby).
+
+:func:`assign` confines the worker to its function's code (:mod:`runtime.function_sandbox`),
+attaches to its device's pool, binds the model to the pool's tensor views (resident tensors
+are not copied), builds the engine from the materialized profile and, for a custom handler,
+runs its initializer.
+
+A *standby* is a pre-warmed worker the agent prepared for one function after that function's
+instance ended (:mod:`runtime.standby_pool`): :func:`prepare` does every step of an assign
+that needs no instance — the sandbox layer, the template, the pool session (its ticket's KV
+quota), the weights' views, the engine, the handler's import — and then releases the weights.
+A standby pins nothing: its model stays an inactive resident the pool may evict or move like
+any other. :func:`activate` finishes the start when the assign comes: one acquire in the
+same session, and the engine is kept when the pool returns the same placements (the views
+point at the same bytes, now pinned) or rebuilt on the new ones. The handler's initializer
+runs at activation, as in an assign, and the activation reports the acquire it made, so a
+start from a standby is accounted like any other (bytes loaded, bytes reused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from runtime.errors import EmberRuntimeError
+from runtime.instance import ModelBinding, ModelTemplate, bind, bind_at
+from runtime.messages import AssignMessage, AssignReply, StandbyMessage, StandbyReply
+from runtime.process import set_idle_priority
+from runtime.sdk import LLM, HandlerRunner, load_handler
+
+if TYPE_CHECKING:
+    from runtime.function_sandbox import FunctionSandbox
+    from runtime.sdk.handler import LoadedHandler
+
+DEFAULT_HANDLER = "default"
+
+log = logging.getLogger("ember.worker")
+
+
+class StandbyMismatch(EmberRuntimeError):
+    """An assign for another function, model or pool session than the standby prepared."""
+
+    code = "standby_mismatch"
+
+
+@dataclass
+class Assignment:
+    """The function this worker serves and what serves it."""
+
+    instance_id: str
+    spec: dict[str, Any]
+    binding: ModelBinding
+    client: Any  # gpu_pool.client.PoolClient
+    runner: HandlerRunner | None  # None for the default (chat/completions) handler
+    driver: asyncio.Task[None]
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["metadata"]["name"])
+
+
+@dataclass
+class Standby:
+    """A worker prepared for one function (see the module docstring)."""
+
+    message: StandbyMessage
+    binding: ModelBinding
+    client: Any  # gpu_pool.client.PoolClient: the session, open, holding no pins
+    placements: dict[str, int]  # where the views point (arena offsets by tensor name)
+    handler: LoadedHandler | None  # imported; its initializer runs at activation
+
+    @property
+    def name(self) -> str:
+        return str(self.message.spec["metadata"]["name"])
+
+    def close(self) -> None:
+        self.binding.engine.close()
+        self.client.close()
+
+
+class Workspace(Protocol):
+    """What :func:`assign` and :func:`prepare` need of the worker's state."""
+
+    sandbox: FunctionSandbox
+    mapped: dict[str, Any]  # pool socket -> gpu_pool.client.MappedArena
+    templates: dict[str, ModelTemplate]
+
+    def template(self, model_dir: str, warm: bool = False) -> ModelTemplate: ...
+
+
+def pool_lost() -> None:
+    """Called from the pool client's watch thread when the pool daemon is gone."""
+    log.error("the pool daemon went away: draining and exiting")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _template(state: Workspace, model_dir: str) -> ModelTemplate:
+    template = state.templates.get(model_dir)
+    if template is None:
+        template = await asyncio.to_thread(state.template, model_dir)
+    return template
+
+
+def _session(state: Workspace, socket_path: str, ticket: str | None) -> Any:
+    """A pool session with ``ticket``'s KV quota, on the arena this worker premapped."""
+    from gpu_pool.client import PoolClient
+
+    premapped = state.mapped.get(socket_path)
+    client = PoolClient(socket_path, mapped=premapped, ticket=ticket)
+    if premapped is not None and premapped.handle != client.arena_handle:
+        # A restarted pool's new arena: drop the old mapping, which alone keeps the old
+        # arena's memory alive.
+        del state.mapped[socket_path]
+    return client
+
+
+def _threads(num_threads: int | None) -> None:
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)  # on the event loop's thread, which steps the engine
+
+
+async def _serve(message: AssignMessage, binding: ModelBinding, client: Any, handler: Any) -> Assignment:
+    """Start serving: watch the pool, drive the engine, run the handler's initializer (for a
+    custom handler: ``handler`` is its :class:`LoadedHandler`, or its reference to import now).
+    On failure the binding and the session are closed."""
+    # An instance whose pool died cannot allocate KV or trust its weights' residency: it drains
+    # (SIGTERM: no new connections, in-flight requests finish) and exits, and is started again
+    # on the restarted pool.
+    client.watch(pool_lost)
+    loop = asyncio.get_running_loop()
+    driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
+    runner = None
+    try:
+        if isinstance(handler, str):
+            handler = load_handler(handler)
+        if handler is not None:
+            runner = HandlerRunner(handler, message.spec, LLM(binding, loop))
+            await runner.setup(message.deadline)
+    except BaseException:
+        driver.cancel()
+        binding.engine.close()
+        client.close()
+        raise
+    return Assignment(message.instance_id, message.spec, binding, client, runner, driver)
+
+
+async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, AssignReply]:
+    """Become instance ``message.instance_id`` of ``message.spec``'s function in one step."""
+    t0 = time.perf_counter()
+    # First: the threads this assignment starts (the pool's watch thread, the thread pool's
+    # new threads) are then born under the function's sandbox layer.
+    await state.sandbox.confine(message.spec)
+    t_sandbox = time.perf_counter()
+    set_idle_priority(False)
+    _threads(message.num_threads)
+    template = await _template(state, message.model_dir)
+    t_template = time.perf_counter()
+
+    def attach() -> tuple[ModelBinding, Any]:
+        # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
+        client = _session(state, message.pool_socket, message.pool_ticket)
+        try:
+            return bind(template, client, message.max_tokens, message.kv_quota_bytes), client
+        except BaseException:
+            client.close()
+            raise
+
+    binding, client = await asyncio.to_thread(attach)
+    handler = None if message.handler == DEFAULT_HANDLER else message.handler
+    assignment = await _serve(message, binding, client, handler)
+    timings = {
+        "sandbox_ms": (t_sandbox - t0) * 1e3,
+        "template_ms": (t_template - t_sandbox) * 1e3,
+        **binding.timings_ms,
+    }
+    timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
+    return assignment, AssignReply(message.instance_id, timings, binding.acquire_report)
+
+
+async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, StandbyReply]:
+    """Prepare a standby for ``message.spec``'s function (see the module docstring). The worker
+    stays at idle priority: this is background work."""
+    t0 = time.perf_counter()
+    await state.sandbox.confine(message.spec)
+    template = await _template(state, message.model_dir)
+
+    def attach() -> tuple[ModelBinding, Any, dict[str, int]]:
+        client = _session(state, message.pool_socket, message.pool_ticket)
+        try:
+            placements = client.acquire_placements(template.manifest)
+            binding = bind_at(template, client, placements, _max_tokens(message.spec), message.kv_quota_bytes)
+            client.release()  # pins nothing while it waits: the pool may evict or move the model
+            return binding, client, placements
+        except BaseException:
+            client.close()
+            raise
+
+    binding, client, placements = await asyncio.to_thread(attach)
+    try:
+        handler = None if message.handler == DEFAULT_HANDLER else load_handler(message.handler)
+    except BaseException:
+        binding.engine.close()
+        client.close()
+        raise
+    standby = Standby(message, binding, client, placements, handler)
+    timings = {**binding.timings_ms, "prepare_ms": (time.perf_counter() - t0) * 1e3}
+    return standby, StandbyReply(timings)
+
+
+async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment, AssignReply]:
+    """Turn ``standby`` into instance ``message.instance_id`` (:class:`StandbyMismatch` when
+    ``message`` assigns something else). A failed acquire or initializer closes the standby."""
+    if not standby.message.activated_by(message):
+        raise StandbyMismatch(f"this worker is a standby of {standby.name!r} for another assignment")
+    t0 = time.perf_counter()
+    set_idle_priority(False)
+    _threads(message.num_threads)
+    binding, client = standby.binding, standby.client
+    try:
+        # The loop serves nothing else yet: the pool's round trip costs less than a thread hop.
+        placements = client.acquire_placements(binding.template.manifest)
+        timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
+        if placements != standby.placements:  # evicted or moved meanwhile: views on the new places
+            binding.engine.close()
+            template, max_tokens = binding.template, binding.max_tokens_default
+            binding = bind_at(template, client, placements, max_tokens, message.kv_quota_bytes, timings)
+        else:
+            binding.acquire_report = client.last_acquire
+    except BaseException:
+        standby.close()
+        raise
+    assignment = await _serve(message, binding, client, standby.handler)
+    timings["standby"] = 1.0
+    timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
+    binding.timings_ms = timings
+    return assignment, AssignReply(message.instance_id, timings, binding.acquire_report)
+
+
+def _max_tokens(spec: dict[str, Any]) -> int:
+    return int(spec["spec"]["maxTokens"])

@@ -1,0 +1,157 @@
+"""The node agent's standbys: pre-warmed workers prepared for functions that scaled to zero.
+
+When an instance ends because it idled past its keep-alive (``stop(..., standby=True)``),
+the agent takes a pre-warmed worker that is ready now (a standby never waits for one, so it
+never delays a start) and prepares it for that function over ``/_ember/standby``
+(:mod:`runtime.assignment`): sandbox layer, template, a pool session with the instance's KV
+quota, views and engine built, weights released again. The next start of that function on
+that device activates it with an ordinary assign carrying the same spec, model, ticket and
+quota, which skips all of that (the remaining cost is one acquire round trip). The worker
+taken is replaced in the pre-warm pool, so fresh functions find ``prewarm`` workers as before.
+
+A standby pins nothing in the pool and holds no slot: it is not an instance, nobody routes to
+it, and it runs at idle priority. At most ``standby`` standbys per node (the oldest ends
+first) and one per function; each ends after ``standby_ttl_s``, when its function's next
+launch brings another spec or model (a redeploy), when its pool dies, or when it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from runtime.agent_config import AgentConfig
+from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.warm_pool import WarmPool
+from runtime.worker_handle import WorkerHandle, error_message
+
+log = logging.getLogger("ember.agent")
+
+Grant = Callable[[str, int, str], Awaitable[str]]  # (device, KV quota bytes, scope) -> ticket
+
+
+def function_name(spec: dict[str, Any]) -> str:
+    """The function's qualified id (scheduler.names, not imported: runtime stays independent of
+    the scheduler): "ns/name", two path components; the plain name in "default"."""
+    meta = spec["metadata"]
+    namespace = meta.get("namespace", "default")
+    return str(meta["name"]) if namespace == "default" else f"{namespace}/{meta['name']}"
+
+
+def kv_scope(spec: dict[str, Any]) -> str:
+    """The scope an instance's published prefix KV is shared in: its function's ("ns/name")."""
+    meta = spec["metadata"]
+    return f"{meta.get('namespace', 'default')}/{meta['name']}"
+
+
+@dataclass
+class StandbyWorker:
+    """A worker prepared for one function on one device."""
+
+    worker: WorkerHandle
+    message: StandbyMessage
+    device: str
+    since: float  # monotonic seconds it became ready
+
+
+class Standbys:
+    """The standbys of one agent (see the module docstring)."""
+
+    def __init__(self, config: AgentConfig, http: httpx.AsyncClient, workers: WarmPool, grant: Grant) -> None:
+        self.config = config
+        self._http = http
+        self._workers = workers
+        self._grant = grant
+        self._ready: dict[str, StandbyWorker] = {}  # function -> its standby, oldest first
+        self._preparing: set[str] = set()  # functions whose standby is being prepared
+
+    def pids(self) -> list[int]:
+        """Processes of the standbys (idle: they are not instances)."""
+        return [s.worker.pid for s in self._ready.values()]
+
+    def report(self) -> dict[str, Any]:
+        """The device report's view: how many standbys are ready."""
+        return {"standby_workers": len(self._ready)}
+
+    async def prepare(self, assigned: AssignMessage, device: str) -> None:
+        """Prepare a standby for the function ``assigned`` started on ``device`` (best effort:
+        no worker ready now, or a failed preparation, leaves none)."""
+        name = function_name(assigned.spec)
+        quota = assigned.kv_quota_bytes
+        if self.config.standby == 0 or quota is None or name in self._preparing:
+            return
+        current = self._ready.get(name)
+        if current is not None and current.worker.running and current.message.spec == assigned.spec:
+            return
+        worker = self._workers.take_ready()
+        if worker is None:
+            return
+        self._workers.spawn_in_background(self.config.replenish_delay_s)
+        self._preparing.add(name)
+        try:
+            ticket = await self._grant(device, quota, kv_scope(assigned.spec))
+            message = StandbyMessage(assigned.spec, assigned.model_dir, assigned.pool_socket, ticket, quota)
+            resp = await worker.post(self._http, "standby", message.to_json())
+            if resp.status_code != 200:
+                raise MessageError(error_message(resp))
+            reply = StandbyReply.from_json(resp.content)
+        except BaseException as exc:  # best effort: the next start takes a pre-warmed worker
+            await worker.terminate(self.config.drain_timeout_s)
+            if not isinstance(exc, Exception):  # cancelled (the agent closes): not left running
+                raise
+            log.warning("no standby for %s: %s: %s", name, type(exc).__name__, exc)
+            return
+        finally:
+            self._preparing.discard(name)
+        await self._end(name)  # an older one (another spec)
+        self._ready[name] = StandbyWorker(worker, message, device, time.monotonic())
+        log.info("standby for %s in worker %d: %s ms", name, worker.pid, reply.timings_ms)
+        while len(self._ready) > self.config.standby:
+            await self._end(next(iter(self._ready)))
+
+    async def take(self, spec: dict[str, Any], model_dir: str, device: str) -> StandbyWorker | None:
+        """The standby for ``spec``'s function on ``device`` if it was prepared for this very
+        spec and model (one prepared for another is ended: the function was redeployed)."""
+        if not self._ready:
+            return None
+        standby = self._ready.pop(function_name(spec), None)
+        if standby is None:
+            return None
+        message = standby.message
+        if (
+            standby.worker.running
+            and standby.device == device
+            and message.spec == spec
+            and message.model_dir == model_dir
+        ):
+            return standby
+        await standby.worker.terminate(self.config.drain_timeout_s)
+        return None
+
+    async def expire(self) -> None:
+        """End the standbys older than ``standby_ttl_s`` and those whose process died."""
+        now = time.monotonic()
+        for name, s in list(self._ready.items()):
+            if not s.worker.running or now - s.since > self.config.standby_ttl_s:
+                await self._end(name)
+
+    def pool_died(self, device: str) -> list[WorkerHandle]:
+        """Forget the standbys on ``device`` (their pool session is gone); returns their
+        workers for the caller to kill."""
+        gone = [name for name, s in self._ready.items() if s.device == device]
+        return [self._ready.pop(name).worker for name in gone]
+
+    async def _end(self, name: str) -> None:
+        standby = self._ready.pop(name, None)
+        if standby is not None:
+            log.info("standby for %s in worker %d ends", name, standby.worker.pid)
+            await standby.worker.terminate(self.config.drain_timeout_s)
+
+    async def close(self) -> None:
+        for name in list(self._ready):
+            await self._end(name)

@@ -1,0 +1,172 @@
+"""Standbys (issue 10, cold path): an instance that idled out leaves a worker prepared for its
+function; the next start activates it, skipping sandbox, pool session, views and engine build.
+A standby pins nothing (its model can be evicted), so an activation re-acquires and rebuilds on
+the new placements when the pool moved the weights. Real processes: a pool daemon and
+``python -m runtime`` workers serving the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.agent import NodeAgent
+from runtime.assignment import StandbyMismatch
+from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.worker_guard import TOKEN_HEADER
+from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
+from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+
+PROMPT = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+
+
+def test_standby_message_is_checked_and_matches_only_its_own_assignment() -> None:
+    document = spec("f", {"source": "/m/tiny.gguf"})
+    message = StandbyMessage(document, "/models/m", "/run/pool.sock", "ticket-1", 4096)
+    assert StandbyMessage.from_json(message.to_json()) == message
+    deadline = time.time() + 60
+    assign = AssignMessage("7", document, "/models/m", "/run/pool.sock", "ticket-1", deadline, 2, 4096)
+    assert message.activated_by(assign)
+    other_spec = copy.deepcopy(document)
+    other_spec["spec"]["maxTokens"] += 1
+    for changed in (
+        AssignMessage("7", other_spec, "/models/m", "/run/pool.sock", "ticket-1", time.time() + 60, 2, 4096),
+        AssignMessage("7", document, "/models/n", "/run/pool.sock", "ticket-1", time.time() + 60, 2, 4096),
+        AssignMessage("7", document, "/models/m", "/run/pool.sock", "ticket-2", time.time() + 60, 2, 4096),
+        AssignMessage("7", document, "/models/m", "/run/pool.sock", "ticket-1", time.time() + 60, 2, 8192),
+    ):
+        assert not message.activated_by(changed)
+    with pytest.raises(MessageError, match="missing"):
+        StandbyMessage.from_json('{"spec": {}}')
+    with pytest.raises(MessageError, match="kv_quota_bytes"):
+        StandbyMessage(document, "/models/m", "/run/pool.sock", "t", -1)
+    with pytest.raises(MessageError, match="spec"):
+        StandbyMessage({"spec": {}}, "/models/m", "/run/pool.sock", "t", 1)
+    reply = StandbyReply({"prepare_ms": 1.5})
+    assert StandbyReply.from_json(reply.to_json()) == reply
+    with pytest.raises(MessageError, match="timings_ms"):
+        StandbyReply({"prepare_ms": -1.0})
+    assert issubclass(StandbyMismatch, Exception) and StandbyMismatch.code == "standby_mismatch"
+
+
+async def wait_standby(agent: NodeAgent, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        (record,) = (await agent.report()).values()
+        if record["standby_workers"] == n:
+            return
+        assert time.monotonic() < deadline, f"no {n} standby workers: {record}"
+        await asyncio.sleep(0.1)
+
+
+async def complete(url: str, token: str) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        resp = await http.post("/v1/completions", json=PROMPT, headers={TOKEN_HEADER: token})
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["choices"][0]["text"])
+
+
+@pytest.mark.slow
+def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    write_tiny_gguf(tmp_path / "other.gguf", hf_weights(4))
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+            device = agent.devices()[0]
+            await wait_warm(agent, 1)
+            first = await agent.launch("1", document, model, device, time.time() + 120)
+            expected = await complete(first.url, first.token)
+            assert "standby" not in first.timings_ms
+
+            # Retired (delete, redeploy, lost): no standby.
+            await agent.stop("1")
+            await asyncio.sleep(0.5)
+            assert (await agent.report())[device]["standby_workers"] == 0
+
+            # Idled out: a standby is prepared from a pre-warmed worker, which is replaced.
+            second = await agent.launch("2", document, model, device, time.time() + 120)
+            await wait_warm(agent, 1)  # a standby takes a worker ready now (it never waits for one)
+            await agent.stop("2", standby=True)
+            await wait_standby(agent, 1)
+            await wait_warm(agent, 1)
+            (standby_pid,) = agent._standbys.pids()
+            third = await agent.launch("3", document, model, device, time.time() + 120)
+            assert third.pid == standby_pid and third.timings_ms["standby"] == 1.0
+            assert third.bytes_loaded == 0 and third.bytes_reused == first.bytes_loaded > 0
+            assert (await agent.report())[device]["standby_workers"] == 0
+            assert await complete(third.url, third.token) == expected
+
+            # A standby pins nothing: its model is evicted, another model takes the space, and
+            # the activation loads the weights again and rebuilds its views where they are now.
+            await wait_warm(agent, 1)
+            await agent.stop("3", standby=True)
+            await wait_standby(agent, 1)
+            assert await agent.evict(model["id"]) > 0
+            other = await agent.ensure_model(str(tmp_path / "other.gguf"), "float32")
+            other_doc = spec("other", {"source": str(tmp_path / "other.gguf")})
+            occupant = await agent.launch("4", other_doc, other, device, time.time() + 120)
+            fourth = await agent.launch("5", document, model, device, time.time() + 120)
+            assert fourth.timings_ms["standby"] == 1.0 and fourth.bytes_loaded > 0
+            assert "build_ms" in fourth.timings_ms  # new placements (the other model took the old)
+            assert await complete(fourth.url, fourth.token) == expected
+            await complete(occupant.url, occupant.token)  # the other model serves beside it
+
+            # A redeploy (another spec) ends the standby: the start takes a pre-warmed worker.
+            await wait_warm(agent, 1)
+            await agent.stop("5", standby=True)
+            await wait_standby(agent, 1)
+            (old_pid,) = agent._standbys.pids()
+            redeployed = copy.deepcopy(document)
+            redeployed["spec"]["maxTokens"] = document["spec"]["maxTokens"] - 1
+            await wait_warm(agent, 1)
+            fifth = await agent.launch("6", redeployed, model, device, time.time() + 120)
+            assert fifth.pid != old_pid and "standby" not in fifth.timings_ms
+            assert await complete(fifth.url, fifth.token) == expected
+            assert (await agent.report())[device]["standby_workers"] == 0
+            assert second.pid != third.pid
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1, standby_ttl_s=2.0))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            device = agent.devices()[0]
+            docs = [spec(name, {"source": str(tmp_path / "tiny.gguf")}) for name in ("a", "b")]
+            for i, document in enumerate(docs):
+                await wait_warm(agent, 1)
+                await agent.launch(str(i), document, model, device, time.time() + 120)
+                await wait_warm(agent, 1)
+                await agent.stop(str(i), standby=True)
+                await wait_standby(agent, 1)
+            # At most one: "b"'s standby ended "a"'s.
+            assert list(agent._standbys._ready) == ["b"]
+            await asyncio.sleep(2.5)
+            await wait_standby(agent, 0)  # past standby_ttl_s
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+
+
+def test_standby_config_is_validated(tmp_path: Path) -> None:
+    for bad in ({"standby": -1}, {"standby": 65}, {"standby_ttl_s": 0.0}):
+        with pytest.raises(ValueError, match="standby"):
+            agent_config(tmp_path, prewarm=1, **bad)
