@@ -42,6 +42,12 @@ DEFAULT_HANDLER = "default"
 log = logging.getLogger("ember.worker")
 
 
+class NotResident(EmberRuntimeError):
+    """A standby's model is not (all) resident in the pool: no standby is prepared for it."""
+
+    code = "not_resident"
+
+
 class StandbyMismatch(EmberRuntimeError):
     """An assign for another function, model or pool session than the standby prepared."""
 
@@ -185,8 +191,9 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
 
 
 async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, StandbyReply]:
-    """Prepare a standby for ``message.spec``'s function (see the module docstring). The worker
-    stays at idle priority: this is background work."""
+    """Prepare a standby for ``message.spec``'s function (see the module docstring);
+    :class:`NotResident` when its model is not all resident (a standby loads nothing). The
+    worker stays at idle priority: this is background work."""
     t0 = time.perf_counter()
     await state.sandbox.confine(message.spec)
     template = await _template(state, message.model_dir)
@@ -194,6 +201,11 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
     def attach() -> tuple[ModelBinding, Any, dict[str, int]]:
         client = _session(state, message.pool_socket, message.pool_ticket)
         try:
+            # A standby never loads: one for a model the pool evicted meanwhile would bring
+            # its bytes back (evicting others) for a start that may never come.
+            model = client.stats()["models"].get(template.manifest.model_id)
+            if model is None or model["resident_bytes"] < model["total_bytes"]:
+                raise NotResident(f"{template.manifest.model_id} is no longer resident in the pool")
             placements = client.acquire_placements(template.manifest)
             binding = bind_at(template, client, placements, _max_tokens(message.spec), message.kv_quota_bytes)
             client.release()  # pins nothing while it waits: the pool may evict or move the model

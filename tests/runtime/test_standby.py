@@ -170,3 +170,31 @@ def test_standby_config_is_validated(tmp_path: Path) -> None:
     for bad in ({"standby": -1}, {"standby": 65}, {"standby_ttl_s": 0.0}):
         with pytest.raises(ValueError, match="standby"):
             agent_config(tmp_path, prewarm=1, **bad)
+
+
+@pytest.mark.slow
+def test_a_standby_loads_nothing(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            device = agent.devices()[0]
+            document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+            await agent.launch("1", document, model, device, time.time() + 120)
+            assigned = agent._instances["1"].assigned
+            assert assigned is not None
+            await agent.stop("1")
+            assert await agent.evict(model["id"]) > 0  # the pool gave its space to others
+            await wait_warm(agent, 1)
+            (before,) = (await agent.report()).values()
+            await agent._standbys.prepare(assigned, "cpu")  # what stop(standby=True) runs
+            (after,) = (await agent.report()).values()
+            assert after["standby_workers"] == 0 and after["bytes_loaded"] == before["bytes_loaded"]
+            assert model["id"] not in after["models"] or after["models"][model["id"]] == 0
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
