@@ -193,11 +193,16 @@ class PoolClient:
         """Pin ``manifest``'s tensors (loading missing ones) and return views into the arena."""
         return self.views(manifest, self.acquire_placements(manifest))
 
-    def acquire_placements(self, manifest: Manifest) -> dict[str, int]:
+    def acquire_placements(self, manifest: Manifest, access: bool = True) -> dict[str, int]:
         """Pin ``manifest``'s tensors (loading missing ones) and return their arena offsets
         (bytes) by name: :meth:`acquire` without making views, for a caller that holds views
-        of an earlier acquire and only needs to know whether they still point at the tensors."""
-        reply = self._call("acquire", manifest_bin=manifest.encoded())
+        of an earlier acquire and only needs to know whether they still point at the tensors.
+        ``access`` false: this is not a request for the model (a standby's preparation), so the
+        pool counts it in neither the model's request rate nor its reuse counters."""
+        fields: dict[str, Any] = {"manifest_bin": manifest.encoded()}
+        if not access:
+            fields["access"] = False
+        reply = self._call("acquire", **fields)
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
         return placements

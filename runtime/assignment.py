@@ -206,7 +206,7 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             model = client.stats()["models"].get(template.manifest.model_id)
             if model is None or model["resident_bytes"] < model["total_bytes"]:
                 raise NotResident(f"{template.manifest.model_id} is no longer resident in the pool")
-            placements = client.acquire_placements(template.manifest)
+            placements = client.acquire_placements(template.manifest, access=False)  # not a request
             binding = bind_at(template, client, placements, _max_tokens(message.spec), message.kv_quota_bytes)
             client.release()  # pins nothing while it waits: the pool may evict or move the model
             return binding, client, placements

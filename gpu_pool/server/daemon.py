@@ -215,7 +215,7 @@ class PoolDaemon:
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
 
-    async def _acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
+    async def _acquire(self, session_id: str, manifest: Manifest, access: bool = True) -> AcquireResult:
         """Plan under the lock, copy bytes without it, commit under it again.
 
         A slow load therefore stalls no other session. A session that needs a tensor another
@@ -223,7 +223,7 @@ class PoolDaemon:
         """
         loop = asyncio.get_running_loop()
         async with self._lock:
-            pending = self.store.begin_acquire(session_id, manifest)
+            pending = self.store.begin_acquire(session_id, manifest, access)
             waits = [self._loading[k] for k in pending.waits_on]
             mine = {k: loop.create_future() for k in pending.missing}
             self._loading.update(mine)
@@ -286,7 +286,7 @@ class PoolDaemon:
             parsed = self._manifests.get(request.manifest_bin)
         else:
             parsed = Manifest.from_dict(request.manifest)
-        result = await self._acquire(session.session_id, await self._trusted(parsed))
+        result = await self._acquire(session.session_id, await self._trusted(parsed), request.access)
         return {"placements": result.placements, "report": result.to_wire()}, []
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:

@@ -119,6 +119,7 @@ class PendingAcquire:
     bytes_evicted: int
     plan_seconds: float
     waits_on: frozenset[str]
+    access: bool = True  # a request for the model (False: a standby's preparation, not counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +219,9 @@ class ReuseStore:
             0, self.arena.capacity, offsets, sizes, movable, [keys[i] for i in order.tolist()]
         )
 
-    def acquire(self, session_id: str, manifest: Manifest) -> AcquireResult:
+    def acquire(self, session_id: str, manifest: Manifest, access: bool = True) -> AcquireResult:
         """Pin ``manifest``'s tensors for the session, loading the missing ones (all in one call)."""
-        pending = self.begin_acquire(session_id, manifest)
+        pending = self.begin_acquire(session_id, manifest, access)
         assert not pending.waits_on, "a concurrent load is pending: use begin/load/complete"
         try:
             load_seconds = self.load(pending)
@@ -229,12 +230,15 @@ class ReuseStore:
             raise
         return self.complete_acquire(pending, load_seconds)
 
-    def begin_acquire(self, session_id: str, manifest: Manifest) -> PendingAcquire:
+    def begin_acquire(self, session_id: str, manifest: Manifest, access: bool = True) -> PendingAcquire:
         """Plan and reserve: pin resident tensors, evict/move per the plan, place the missing
-        ones (marked ``loading``, pinned). Their bytes are copied by :meth:`load`."""
+        ones (marked ``loading``, pinned). Their bytes are copied by :meth:`load`. ``access``:
+        the acquire serves a request for the model, so it counts in the model's request rate
+        (``p_m``) and the reuse counters; a standby's preparation (runtime.assignment) is not."""
         session = self._session(session_id)
         now = self.clock()
-        self.rates.observe(manifest.model_id, now)
+        if access:
+            self.rates.observe(manifest.model_id, now)
         keys = {e.name: self._key(e, session_id) for e in manifest.tensors}
         self._register_model(manifest, keys)
 
@@ -277,7 +281,7 @@ class ReuseStore:
         return PendingAcquire(
             session_id, manifest, keys, unique, tuple(resident), tuple(missing), jobs,
             the_plan.bytes_moved, the_plan.bytes_evicted, plan_seconds,
-            frozenset(k for k in resident if self.tensors[k].loading),
+            frozenset(k for k in resident if self.tensors[k].loading), access,
         )  # fmt: skip
 
     def load(self, pending: PendingAcquire) -> float:
@@ -322,13 +326,12 @@ class ReuseStore:
         self._record_bandwidth(pending.manifest.model_id, bytes_loaded, load_seconds)
         self.counters.update(
             bytes_loaded=bytes_loaded,
-            bytes_reused=bytes_reused,
             bytes_moved=pending.bytes_moved,
             bytes_evicted=pending.bytes_evicted,
-            reuse_hits=len(pending.resident),
             tensors_loaded=len(pending.missing),
-            acquires=1,
         )
+        if pending.access:  # reuse is counted for requests only
+            self.counters.update(bytes_reused=bytes_reused, reuse_hits=len(pending.resident), acquires=1)
         self.load_seconds += load_seconds
         keys = pending.keys
         return AcquireResult(

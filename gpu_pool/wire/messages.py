@@ -74,18 +74,23 @@ class Hello(Request):
 
 @dataclass(frozen=True, slots=True)
 class Acquire(Request):
-    """Pin a manifest's tensors (``manifest_bin``: its msgpack encoding; or ``manifest``)."""
+    """Pin a manifest's tensors (``manifest_bin``: its msgpack encoding; or ``manifest``);
+    ``access`` false: not a request for the model (not counted in its rate or reuse counters)."""
 
     op: ClassVar[str] = "acquire"
     manifest_bin: bytes | None
     manifest: Any
+    access: bool = True  # False: not a request for the model (a standby's preparation)
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Acquire:
         encoded = msg.get("manifest_bin")
         if encoded is not None and not isinstance(encoded, bytes):
             raise ProtocolError("acquire: 'manifest_bin' must be msgpack bytes")
-        return cls(encoded, msg.get("manifest"))
+        access = msg.get("access", True)
+        if not isinstance(access, bool):
+            raise ProtocolError("acquire: 'access' must be a boolean")
+        return cls(encoded, msg.get("manifest"), access)
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,29 @@ def test_release_keeps_tensors_resident_and_reusable(manifests: list[Manifest]) 
         arena.close()
 
 
+def test_an_acquire_that_is_no_access_counts_in_neither_rates_nor_reuse(manifests: list[Manifest]) -> None:
+    """A standby's preparation (access=False) pins and places like any acquire, but it is not a
+    request for the model: the model's request rate (p_m) and the reuse counters stay put."""
+    arena = CpuArena(8 << 20, prefault=False)
+    try:
+        store = ReuseStore(arena, clock=lambda: 100.0)
+        store.open_session("a")
+        first = store.acquire("a", manifests[1])
+        store.release("a")
+        counters = dict(store.counters)
+        p_before = store.rates.miss_probability("model1", 100.0, 60.0)
+        standby = store.acquire("a", manifests[1], access=False)
+        assert standby.placements == first.placements and standby.bytes_reused == manifests[1].nbytes
+        assert dict(store.counters) == counters
+        assert store.rates.miss_probability("model1", 100.0, 60.0) == p_before
+        store.release("a")
+        store.acquire("a", manifests[1])  # a request: counted
+        assert store.counters["acquires"] == counters["acquires"] + 1
+        assert store.rates.miss_probability("model1", 100.0, 60.0) > p_before
+    finally:
+        arena.close()
+
+
 def test_shared_tensors_are_loaded_once(manifests: list[Manifest]) -> None:
     arena = CpuArena(8 << 20, prefault=False)
     try:

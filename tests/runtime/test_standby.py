@@ -95,8 +95,11 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             # Idled out: a standby is prepared from a pre-warmed worker, which is replaced.
             second = await agent.launch("2", document, model, device, time.time() + 120)
             await wait_warm(agent, 1)  # a standby takes a worker ready now (it never waits for one)
+            reused = (await agent.report())[device]["bytes_reused"]
             await agent.stop("2", standby=True)
             await wait_standby(agent, 1)
+            # Its preparation is not a request for the model: no reuse (nor request rate) counted.
+            assert (await agent.report())[device]["bytes_reused"] == reused
             await wait_warm(agent, 1)
             (standby_pid,) = agent._standbys.pids()
             third = await agent.launch("3", document, model, device, time.time() + 120)
