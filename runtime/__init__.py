@@ -10,7 +10,8 @@ The node agent (:mod:`runtime.agent`) is made of :mod:`runtime.device_pools` (th
 daemons and their supervision), :mod:`runtime.warm_pool` (the pre-warmed workers),
 :mod:`runtime.standby_pool` (workers prepared for functions that scaled to zero; the worker
 side is :mod:`runtime.assignment`),
-:mod:`runtime.worker_handle` (one worker as the agent sees it), :mod:`runtime.device_report`
+:mod:`runtime.worker_handle` (one worker as the agent sees it), :mod:`runtime.worker_client`
+(its HTTP client for the workers), :mod:`runtime.device_report`
 (the scheduler's device record) and :mod:`runtime.agent_config`. It talks to workers in
 :mod:`runtime.messages`; the assign reply carries ``gpu_pool``'s ``AcquireReport``.
 :mod:`runtime.sandbox` confines each worker the agent starts with

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
-
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.errors import PoolError
 from runtime.agent_config import AgentConfig
@@ -51,11 +49,10 @@ from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageErr
 from runtime.process import boost
 from runtime.standby_pool import Standbys, function_name, kv_scope
 from runtime.warm_pool import WarmPool
-from runtime.worker_handle import WorkerHandle, error_message
+from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
+from runtime.worker_handle import WorkerHandle
 
 log = logging.getLogger("ember.agent")
-
-WORKER_KEEP_ALIVE_S = 60.0  # idle connections to workers (below the worker's own 75 s)
 
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
@@ -103,13 +100,7 @@ class NodeAgent:
     ) -> None:
         self.config = config
         self._report = report
-        # Idle connections to workers stay open for a minute (the worker keeps them 75 s,
-        # runtime.worker.KEEP_ALIVE_S): the assign that activates a standby finds the one its
-        # preparation opened instead of connecting on the cold path.
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.worker_start_timeout_s),
-            limits=httpx.Limits(keepalive_expiry=WORKER_KEEP_ALIVE_S),
-        )
+        self._http = WorkerClient(config.worker_start_timeout_s)
         self._pools = DevicePools(config)
         self._workers = WarmPool(config, self._http, self._pools.sockets)
         self._standbys = Standbys(config, self._http, self._workers, self._grant_ticket)
@@ -170,7 +161,7 @@ class NodeAgent:
             *(w.terminate(self.config.drain_timeout_s) for w in instances),
             return_exceptions=True,
         )
-        await self._http.aclose()
+        await self._http.close()
         await self._pools.close()
 
     # ----- models ---------------------------------------------------------------------------------
@@ -282,16 +273,16 @@ class NodeAgent:
         (:class:`_Undelivered` when the connection failed: nothing reached it)."""
         drain_s = self.config.drain_timeout_s
         try:
-            resp = await worker.post(self._http, "assign", message.to_json())
-        except httpx.ConnectError as exc:
+            resp = await self._http.post(worker, "assign", message.to_json())
+        except WorkerUnreachable as exc:
             await worker.terminate(drain_s)
             raise _Undelivered(str(exc)) from None
-        except httpx.HTTPError as exc:
+        except WorkerCallFailed as exc:
             await worker.terminate(drain_s)
             raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
-        if resp.status_code != 200:
+        if resp.status != 200:
             await worker.terminate(drain_s)
-            raise LaunchError(f"worker refused the function: {error_message(resp)}")
+            raise LaunchError(f"worker refused the function: {resp.error_message()}")
         try:
             return AssignReply.from_json(resp.content)
         except MessageError as exc:
@@ -387,9 +378,9 @@ class NodeAgent:
             for w in workers:
                 if w.threads == per:
                     continue
-                with contextlib.suppress(httpx.HTTPError):
-                    resp = await w.post(self._http, "threads", ThreadsMessage(per).to_json(), timeout=5.0)
-                    if resp.status_code == 200:
+                with contextlib.suppress(LaunchError):  # WorkerUnreachable, WorkerCallFailed
+                    resp = await self._http.post(w, "threads", ThreadsMessage(per).to_json(), timeout_s=5.0)
+                    if resp.status == 200:
                         if w.threads is not None:
                             log.info(
                                 "instance worker %d: %d intra-op threads (was %d)", w.pid, per, w.threads

@@ -23,12 +23,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from runtime.agent_config import AgentConfig
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.warm_pool import WarmPool
-from runtime.worker_handle import WorkerHandle, error_message
+from runtime.worker_client import WorkerClient
+from runtime.worker_handle import WorkerHandle
 
 log = logging.getLogger("ember.agent")
 
@@ -62,7 +61,7 @@ class StandbyWorker:
 class Standbys:
     """The standbys of one agent (see the module docstring)."""
 
-    def __init__(self, config: AgentConfig, http: httpx.AsyncClient, workers: WarmPool, grant: Grant) -> None:
+    def __init__(self, config: AgentConfig, http: WorkerClient, workers: WarmPool, grant: Grant) -> None:
         self.config = config
         self._http = http
         self._workers = workers
@@ -96,9 +95,9 @@ class Standbys:
         try:
             ticket = await self._grant(device, quota, kv_scope(assigned.spec))
             message = StandbyMessage(assigned.spec, assigned.model_dir, assigned.pool_socket, ticket, quota)
-            resp = await worker.post(self._http, "standby", message.to_json())
-            if resp.status_code != 200:
-                raise MessageError(error_message(resp))
+            resp = await self._http.post(worker, "standby", message.to_json())
+            if resp.status != 200:
+                raise MessageError(resp.error_message())
             reply = StandbyReply.from_json(resp.content)
         except BaseException as exc:  # best effort: the next start takes a pre-warmed worker
             await worker.terminate(self.config.drain_timeout_s)

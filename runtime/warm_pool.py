@@ -30,14 +30,13 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import httpx
-
 from runtime.agent_config import AgentConfig
 from runtime.errors import LaunchError
 from runtime.messages import PreloadMessage
 from runtime.process import boost
 from runtime.sandbox import temp_dir
-from runtime.worker_handle import WorkerHandle, error_message
+from runtime.worker_client import WorkerClient
+from runtime.worker_handle import WorkerHandle
 from runtime.worker_spawn import SpawnBackoff, new_token, worker_environment
 
 MAX_SPAWN_ERRORS = 8  # start failures remembered for error messages
@@ -49,7 +48,7 @@ class WarmPool:
     """Pre-warmed workers of one agent (see the module docstring)."""
 
     def __init__(
-        self, config: AgentConfig, http: httpx.AsyncClient, pool_sockets: Callable[[], list[str]]
+        self, config: AgentConfig, http: WorkerClient, pool_sockets: Callable[[], list[str]]
     ) -> None:
         """``pool_sockets``: the sockets of the node's pool daemons now (each worker maps them)."""
         self.config = config
@@ -79,8 +78,8 @@ class WarmPool:
         """Ask the workers ready now to preload ``model_dir`` (best effort: one that cannot is
         still a worker, it loads the template when assigned)."""
         for worker in list(self._warm):
-            with contextlib.suppress(httpx.HTTPError):
-                await worker.post(self._http, "preload", PreloadMessage(model_dir).to_json())
+            with contextlib.suppress(LaunchError):  # WorkerUnreachable, WorkerCallFailed
+                await self._http.post(worker, "preload", PreloadMessage(model_dir).to_json())
 
     # ----- state ----------------------------------------------------------------------------------
 
@@ -133,9 +132,9 @@ class WarmPool:
             preloaded = set(self._templates)
             worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
-                resp = await worker.post(self._http, "preload", PreloadMessage(model_dir).to_json())
-                if resp.status_code != 200:
-                    raise LaunchError(f"the worker could not preload {model_dir}: {error_message(resp)}")
+                resp = await self._http.post(worker, "preload", PreloadMessage(model_dir).to_json())
+                if resp.status != 200:
+                    raise LaunchError(f"the worker could not preload {model_dir}: {resp.error_message()}")
         except Exception as exc:  # a worker that is not fully ready must not linger
             if worker is not None:
                 await worker.terminate(self.config.drain_timeout_s)

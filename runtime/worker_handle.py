@@ -1,7 +1,8 @@
 """One worker process as the node agent sees it: its URL, its credential, how to stop it.
 
 The agent speaks to a worker only over ``/_ember/*`` (bodies are :mod:`runtime.messages`
-JSON, each request carries the worker's own credential, :mod:`runtime.worker_guard`) and ends
+JSON sent by :mod:`runtime.worker_client`, each request carries the worker's own credential,
+:mod:`runtime.worker_guard`) and ends
 it with SIGTERM, which makes the worker drain and release its pool session; SIGKILL follows
 when the drain takes longer than the agent allows.
 """
@@ -12,8 +13,6 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from runtime.messages import AssignMessage
 from runtime.worker_guard import TOKEN_HEADER
@@ -47,15 +46,6 @@ class WorkerHandle:
         """What every ``/_ember/*`` request to the worker carries."""
         return {TOKEN_HEADER: self.token, **JSON_HEADERS}
 
-    async def post(
-        self, http: httpx.AsyncClient, route: str, body: str, timeout: float | None = None
-    ) -> httpx.Response:
-        """POST a :mod:`runtime.messages` JSON ``body`` to ``/_ember/{route}``."""
-        url = f"{self.url}/_ember/{route}"
-        if timeout is None:  # the client's own timeout
-            return await http.post(url, content=body, headers=self.headers)
-        return await http.post(url, content=body, headers=self.headers, timeout=timeout)
-
     async def terminate(self, drain_timeout_s: float) -> None:
         """SIGTERM (the worker drains), SIGKILL after ``drain_timeout_s``; returns once reaped."""
         if self.proc.returncode is None:
@@ -72,11 +62,3 @@ class WorkerHandle:
         """SIGKILL, no drain (its pool session is already gone); reap with ``proc.wait()``."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-
-
-def error_message(resp: httpx.Response) -> str:
-    """The message of a worker's JSON error reply (or the status and the body's start)."""
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
