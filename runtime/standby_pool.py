@@ -1,13 +1,15 @@
 """The node agent's standbys: pre-warmed workers prepared for functions that scaled to zero.
 
 When an instance ends because it idled past its keep-alive (``stop(..., standby=True)``),
-the agent takes a pre-warmed worker that is ready now (a standby never waits for one, so it
-never delays a start) and prepares it for that function over ``/_ember/standby``
-(:mod:`runtime.assignment`): sandbox layer, template, a pool session with the instance's KV
-quota, views and engine built, weights released again. The next start of that function on
-that device activates it with an ordinary assign carrying the same spec, model, ticket and
-quota, which skips all of that (the remaining cost is one acquire round trip). The worker
-taken is replaced in the pre-warm pool, so fresh functions find ``prewarm`` workers as before.
+the agent starts a worker of its own for it (:meth:`WarmPool.start_spare
+<runtime.warm_pool.WarmPool.start_spare>`, at idle priority like a pre-warmed one) and prepares
+it for that function over ``/_ember/standby`` (:mod:`runtime.assignment`): sandbox layer,
+template, a pool session with the instance's KV quota, views and engine built, weights released
+again. The next start of that function on that device activates it with an ordinary assign
+carrying the same spec, model, ticket and quota, which skips all of that (the remaining cost is
+one acquire round trip). The pre-warmed workers are never taken for a standby: one taken would
+make the next cold start of another function wait for a process start, so a standby would
+delay starts instead of saving them.
 
 A standby pins nothing in the pool and holds no slot: it is not an instance, nobody routes to
 it, and it runs at idle priority. At most ``standby`` standbys per node (the oldest ends
@@ -80,7 +82,7 @@ class Standbys:
 
     async def prepare(self, assigned: AssignMessage, device: str) -> None:
         """Prepare a standby for the function ``assigned`` started on ``device`` (best effort:
-        no worker ready now, or a failed preparation, leaves none)."""
+        a worker that fails to start, or a failed preparation, leaves none)."""
         name = function_name(assigned.spec)
         quota = assigned.kv_quota_bytes
         if self.config.standby == 0 or quota is None or name in self._preparing:
@@ -88,12 +90,10 @@ class Standbys:
         current = self._ready.get(name)
         if current is not None and current.worker.running and current.message.spec == assigned.spec:
             return
-        worker = self._workers.take_ready()
-        if worker is None:
-            return
-        self._workers.spawn_in_background(self.config.replenish_delay_s)
         self._preparing.add(name)
+        worker: WorkerHandle | None = None
         try:
+            worker = await self._workers.start_spare()
             ticket = await self._grant(device, quota, kv_scope(assigned.spec))
             message = StandbyMessage(assigned.spec, assigned.model_dir, assigned.pool_socket, ticket, quota)
             resp = await worker.post(self._http, "standby", message.to_json())
@@ -101,16 +101,20 @@ class Standbys:
                 raise MessageError(error_message(resp))
             reply = StandbyReply.from_json(resp.content)
         except BaseException as exc:  # best effort: the next start takes a pre-warmed worker
-            await worker.terminate(self.config.drain_timeout_s)
+            if worker is not None:
+                await worker.terminate(self.config.drain_timeout_s)
             if not isinstance(exc, Exception):  # cancelled (the agent closes): not left running
                 raise
             log.warning("no standby for %s: %s: %s", name, type(exc).__name__, exc)
             return
         finally:
             self._preparing.discard(name)
-        await self._end(name)  # an older one (another spec)
+        older = self._ready.pop(name, None)  # one for another spec
+        # Recorded before anything is awaited: an agent closing from here on ends it.
         self._ready[name] = StandbyWorker(worker, message, device, time.monotonic())
         log.info("standby for %s in worker %d: %s ms", name, worker.pid, reply.timings_ms)
+        if older is not None:
+            await older.worker.terminate(self.config.drain_timeout_s)
         while len(self._ready) > self.config.standby:
             await self._end(next(iter(self._ready)))
 

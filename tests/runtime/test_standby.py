@@ -198,3 +198,31 @@ def test_a_standby_loads_nothing(tmp_path: Path) -> None:
             await agent.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_standby_leaves_the_pre_warmed_workers_to_launches(tmp_path: Path) -> None:
+    """A standby is a worker of its own: taking a ready pre-warmed worker for it made the next
+    cold start of any other function wait for a process start (prewarm 2 and two functions
+    idling out together left none)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            device = agent.devices()[0]
+            document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+            await agent.launch("1", document, model, device, time.time() + 120)
+            (ready,) = await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await asyncio.sleep(0.2)  # the preparation is under way
+            assert agent.warm() == [ready]
+            await wait_standby(agent, 1)
+            assert agent.warm() == [ready]  # the next launch of another function takes it at once
+            assert ready[0] not in agent._standbys.pids()
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
