@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from runtime.agent_config import AgentConfig
+from runtime.errors import LaunchError
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.warm_pool import WarmPool
 from runtime.worker_handle import WorkerHandle, error_message
@@ -71,6 +72,7 @@ class Standbys:
         self._grant = grant
         self._ready: dict[str, StandbyWorker] = {}  # function -> its standby, oldest first
         self._preparing: set[str] = set()  # functions whose standby is being prepared
+        self._pool_deaths: dict[str, int] = {}  # device -> how often its pool died
 
     def pids(self) -> list[int]:
         """Processes of the standbys (idle: they are not instances)."""
@@ -91,6 +93,7 @@ class Standbys:
         if current is not None and current.worker.running and current.message.spec == assigned.spec:
             return
         self._preparing.add(name)
+        deaths = self._pool_deaths.get(device, 0)
         worker: WorkerHandle | None = None
         try:
             worker = await self._workers.start_spare()
@@ -100,6 +103,8 @@ class Standbys:
             if resp.status_code != 200:
                 raise MessageError(error_message(resp))
             reply = StandbyReply.from_json(resp.content)
+            if self._pool_deaths.get(device, 0) != deaths:  # pool_died could not end it: not ready yet
+                raise LaunchError(f"the pool of {device} died while the standby was prepared")
         except BaseException as exc:  # best effort: the next start takes a pre-warmed worker
             if worker is not None:
                 await worker.terminate(self.config.drain_timeout_s)
@@ -146,7 +151,8 @@ class Standbys:
 
     def pool_died(self, device: str) -> list[WorkerHandle]:
         """Forget the standbys on ``device`` (their pool session is gone); returns their
-        workers for the caller to kill."""
+        workers for the caller to kill. One being prepared now is ended when it is ready."""
+        self._pool_deaths[device] = self._pool_deaths.get(device, 0) + 1
         gone = [name for name, s in self._ready.items() if s.device == device]
         return [self._ready.pop(name).worker for name in gone]
 
