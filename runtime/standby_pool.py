@@ -1,13 +1,15 @@
 """The node agent's standbys: pre-warmed workers prepared for functions that scaled to zero.
 
 When an instance ends because it idled past its keep-alive (``stop(..., standby=True)``),
-the agent takes a pre-warmed worker that is ready now (a standby never waits for one, so it
-never delays a start) and prepares it for that function over ``/_ember/standby``
-(:mod:`runtime.assignment`): sandbox layer, template, a pool session with the instance's KV
-quota, views and engine built, weights released again. The next start of that function on
-that device activates it with an ordinary assign carrying the same spec, model, ticket and
-quota, which skips all of that (the remaining cost is one acquire round trip). The worker
-taken is replaced in the pre-warm pool, so fresh functions find ``prewarm`` workers as before.
+the agent starts a worker of its own for it (:meth:`WarmPool.start_spare
+<runtime.warm_pool.WarmPool.start_spare>`, at idle priority like a pre-warmed one) and prepares
+it for that function over ``/_ember/standby`` (:mod:`runtime.assignment`): sandbox layer,
+template, a pool session with the instance's KV quota, views and engine built, weights released
+again. The next start of that function on that device activates it with an ordinary assign
+carrying the same spec, model, ticket and quota, which skips all of that (the remaining cost is
+one acquire round trip). The pre-warmed workers are never taken for a standby: one taken would
+make the next cold start of another function wait for a process start, so a standby would
+delay starts instead of saving them.
 
 A standby pins nothing in the pool and holds no slot: it is not an instance, nobody routes to
 it, and it runs at idle priority. At most ``standby`` standbys per node (the oldest ends
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.agent_config import AgentConfig
+from runtime.errors import LaunchError
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.warm_pool import WarmPool
 from runtime.worker_client import WorkerClient
@@ -68,6 +71,7 @@ class Standbys:
         self._grant = grant
         self._ready: dict[str, StandbyWorker] = {}  # function -> its standby, oldest first
         self._preparing: set[str] = set()  # functions whose standby is being prepared
+        self._pool_deaths: dict[str, int] = {}  # device -> how often its pool died
 
     def pids(self) -> list[int]:
         """Processes of the standbys (idle: they are not instances)."""
@@ -79,7 +83,7 @@ class Standbys:
 
     async def prepare(self, assigned: AssignMessage, device: str) -> None:
         """Prepare a standby for the function ``assigned`` started on ``device`` (best effort:
-        no worker ready now, or a failed preparation, leaves none)."""
+        a worker that fails to start, or a failed preparation, leaves none)."""
         name = function_name(assigned.spec)
         quota = assigned.kv_quota_bytes
         if self.config.standby == 0 or quota is None or name in self._preparing:
@@ -87,29 +91,34 @@ class Standbys:
         current = self._ready.get(name)
         if current is not None and current.worker.running and current.message.spec == assigned.spec:
             return
-        worker = self._workers.take_ready()
-        if worker is None:
-            return
-        self._workers.spawn_in_background(self.config.replenish_delay_s)
         self._preparing.add(name)
+        deaths = self._pool_deaths.get(device, 0)
+        worker: WorkerHandle | None = None
         try:
+            worker = await self._workers.start_spare()
             ticket = await self._grant(device, quota, kv_scope(assigned.spec))
             message = StandbyMessage(assigned.spec, assigned.model_dir, assigned.pool_socket, ticket, quota)
             resp = await self._http.post(worker, "standby", message.to_json())
             if resp.status != 200:
                 raise MessageError(resp.error_message())
             reply = StandbyReply.from_json(resp.content)
+            if self._pool_deaths.get(device, 0) != deaths:  # pool_died could not end it: not ready yet
+                raise LaunchError(f"the pool of {device} died while the standby was prepared")
         except BaseException as exc:  # best effort: the next start takes a pre-warmed worker
-            await worker.terminate(self.config.drain_timeout_s)
+            if worker is not None:
+                await worker.terminate(self.config.drain_timeout_s)
             if not isinstance(exc, Exception):  # cancelled (the agent closes): not left running
                 raise
             log.warning("no standby for %s: %s: %s", name, type(exc).__name__, exc)
             return
         finally:
             self._preparing.discard(name)
-        await self._end(name)  # an older one (another spec)
+        older = self._ready.pop(name, None)  # one for another spec
+        # Recorded before anything is awaited: an agent closing from here on ends it.
         self._ready[name] = StandbyWorker(worker, message, device, time.monotonic())
         log.info("standby for %s in worker %d: %s ms", name, worker.pid, reply.timings_ms)
+        if older is not None:
+            await older.worker.terminate(self.config.drain_timeout_s)
         while len(self._ready) > self.config.standby:
             await self._end(next(iter(self._ready)))
 
@@ -141,7 +150,8 @@ class Standbys:
 
     def pool_died(self, device: str) -> list[WorkerHandle]:
         """Forget the standbys on ``device`` (their pool session is gone); returns their
-        workers for the caller to kill."""
+        workers for the caller to kill. One being prepared now is ended when it is ready."""
+        self._pool_deaths[device] = self._pool_deaths.get(device, 0) + 1
         gone = [name for name, s in self._ready.items() if s.device == device]
         return [self._ready.pop(name).worker for name in gone]
 

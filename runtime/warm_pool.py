@@ -191,6 +191,10 @@ class WarmPool:
             line = await asyncio.wait_for(proc.stdout.readline(), config.worker_start_timeout_s)
         except TimeoutError:
             line = b""
+        except BaseException:  # cancelled (a standby's start, when the agent closes): not left running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
         finally:
             aging.cancel()
             del self._spawning[proc.pid]
@@ -248,13 +252,11 @@ class WarmPool:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), min(left, 1.0))
 
-    def take_ready(self) -> WorkerHandle | None:
-        """A pre-warmed worker ready now, or None (for work that must never wait for one)."""
-        while self._warm:
-            worker = self._warm.pop(0)
-            if worker.running:
-                return worker
-        return None
+    async def start_spare(self) -> WorkerHandle:
+        """A fresh worker outside the pool, for a standby: the ready ones stay for launches (one
+        taken would make the next cold start of another function wait for a process start).
+        :class:`LaunchError` when it fails to start."""
+        return await self._start_worker()
 
     def put_back(self, worker: WorkerHandle) -> None:
         """Return an unused worker: the next launch takes it first."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -197,6 +199,81 @@ def test_a_standby_loads_nothing(tmp_path: Path) -> None:
             (after,) = (await agent.report()).values()
             assert after["standby_workers"] == 0 and after["bytes_loaded"] == before["bytes_loaded"]
             assert model["id"] not in after["models"] or after["models"][model["id"]] == 0
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_standby_leaves_the_pre_warmed_workers_to_launches(tmp_path: Path) -> None:
+    """A standby is a worker of its own: taking a ready pre-warmed worker for it made the next
+    cold start of any other function wait for a process start (prewarm 2 and two functions
+    idling out together left none)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            device = agent.devices()[0]
+            document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+            await agent.launch("1", document, model, device, time.time() + 120)
+            (ready,) = await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await asyncio.sleep(0.2)  # the preparation is under way
+            assert agent.warm() == [ready]
+            await wait_standby(agent, 1)
+            assert agent.warm() == [ready]  # the next launch of another function takes it at once
+            assert ready[0] not in agent._standbys.pids()
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+
+
+SLOW_IMPORT = """import sys, time
+print("standby-marker: importing", file=sys.stderr, flush=True)
+time.sleep(4)
+
+
+async def handler(event, context):
+    return event
+"""
+
+
+@pytest.mark.slow
+def test_a_standby_whose_pool_died_while_it_was_prepared_is_not_kept(tmp_path: Path) -> None:
+    """The pool dies while a standby is being prepared (after its session attached): the
+    standby's session is gone with it, so it is not kept (it held the dead arena's memory and
+    its activation could only fail)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    home = tmp_path / "home"
+    module = home / "functions" / "default" / "slow" / "v1" / "slow.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(SLOW_IMPORT)
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(home, prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            device = agent.devices()[0]
+            document = spec("slow", {"source": str(tmp_path / "tiny.gguf")})
+            document["spec"]["handler"] = f"{module}:handler"
+            await agent.launch("1", document, model, device, time.time() + 120)
+            await agent.stop("1", standby=True)
+            deadline = time.monotonic() + 120
+            workers = agent.config.log_dir / "workers"
+            while not any("standby-marker" in p.read_text(errors="replace") for p in workers.iterdir()):
+                assert time.monotonic() < deadline, "the standby never imported its handler"
+                await asyncio.sleep(0.05)
+            os.kill(agent.pools["cpu"].proc.pid, signal.SIGKILL)  # its session attached: it dies now
+            while agent._standbys._preparing or not agent.pool_alive("cpu"):
+                assert time.monotonic() < deadline, "the preparation or the pool restart never ended"
+                await asyncio.sleep(0.1)
+            assert agent._standbys.pids() == []
         finally:
             await agent.close()
 
