@@ -143,6 +143,13 @@ class LoadError(PoolError):
     code = "load_error"
 
 
+class NotResident(PoolError):
+    """An acquire that may not load (``access`` false: a standby's preparation) named tensors
+    that are not resident."""
+
+    code = "not_resident"
+
+
 class BackendUnavailable(PoolError):
     """The requested device backend cannot run here (for example no CUDA)."""
 
@@ -166,6 +173,7 @@ ERRORS_BY_CODE: dict[str, type[PoolError]] = {
         OutOfMemory,
         SessionError,
         LoadError,
+        NotResident,
         BackendUnavailable,
     )
 }

@@ -54,6 +54,8 @@ from runtime.worker_handle import WorkerHandle
 
 log = logging.getLogger("ember.agent")
 
+FUNCTION_INIT_FAILED = "function_init_failed"  # runtime.worker's error type for a failed initializer
+
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
 
@@ -90,6 +92,10 @@ class _Start(NamedTuple):
 
 class _Undelivered(LaunchError):
     """The worker's connection failed before the assign reached it (it was ended)."""
+
+
+class _InitFailed(LaunchError):
+    """The function's initializer failed in the worker (a function error, not the worker's)."""
 
 
 class NodeAgent:
@@ -241,6 +247,8 @@ class NodeAgent:
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
         try:
             return worker, message, await self._assign(worker, message)
+        except _InitFailed:  # the function's own initializer: it would fail on any worker
+            raise
         except LaunchError as exc:  # the ordinary start still can
             log.warning("standby failed, %s starts from a pre-warmed worker: %s", start.instance_id, exc)
             return None
@@ -282,7 +290,8 @@ class NodeAgent:
             raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
         if resp.status != 200:
             await worker.terminate(drain_s)
-            raise LaunchError(f"worker refused the function: {resp.error_message()}")
+            kind = _InitFailed if resp.error_type() == FUNCTION_INIT_FAILED else LaunchError
+            raise kind(f"worker refused the function: {resp.error_message()}")
         try:
             return AssignReply.from_json(resp.content)
         except MessageError as exc:
@@ -360,6 +369,10 @@ class NodeAgent:
             if standby and worker.assigned is not None and self.pool_alive(worker.device):
                 self._spawn(self._standbys.prepare(worker.assigned, worker.device))
             await self._share_cores()
+
+    async def retire(self, name: str) -> None:
+        """``name`` (the function's qualified id) was deleted or redeployed: its standby ends."""
+        await self._standbys.end(name)
 
     async def _share_cores(self, measure: bool = False) -> None:
         """Give each CPU instance its share of intra-op threads (:mod:`runtime.cpu_share`: the

@@ -42,12 +42,6 @@ DEFAULT_HANDLER = "default"
 log = logging.getLogger("ember.worker")
 
 
-class NotResident(EmberRuntimeError):
-    """A standby's model is not (all) resident in the pool: no standby is prepared for it."""
-
-    code = "not_resident"
-
-
 class StandbyMismatch(EmberRuntimeError):
     """An assign for another function, model or pool session than the standby prepared."""
 
@@ -192,8 +186,8 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
 
 async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, StandbyReply]:
     """Prepare a standby for ``message.spec``'s function (see the module docstring);
-    :class:`NotResident` when its model is not all resident (a standby loads nothing). The
-    worker stays at idle priority: this is background work."""
+    ``gpu_pool.errors.NotResident`` when its model is not all resident (a standby loads
+    nothing). The worker stays at idle priority: this is background work."""
     t0 = time.perf_counter()
     await state.sandbox.confine(message.spec)
     template = await _template(state, message.model_dir)
@@ -201,12 +195,10 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
     def attach() -> tuple[ModelBinding, Any, dict[str, int]]:
         client = _session(state, message.pool_socket, message.pool_ticket)
         try:
-            # A standby never loads: one for a model the pool evicted meanwhile would bring
-            # its bytes back (evicting others) for a start that may never come.
-            model = client.stats()["models"].get(template.manifest.model_id)
-            if model is None or model["resident_bytes"] < model["total_bytes"]:
-                raise NotResident(f"{template.manifest.model_id} is no longer resident in the pool")
-            placements = client.acquire_placements(template.manifest, access=False)  # not a request
+            # Not a request (uncounted), and it never loads: one for a model the pool evicted
+            # meanwhile would bring its bytes back (evicting others) for a start that may never
+            # come. The pool fails it with NotResident instead.
+            placements = client.acquire_placements(template.manifest, access=False)
             binding = bind_at(template, client, placements, _max_tokens(message.spec), message.kv_quota_bytes)
             client.release()  # pins nothing while it waits: the pool may evict or move the model
             return binding, client, placements
@@ -249,8 +241,7 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
         standby.close()
         raise
     assignment = await _serve(message, binding, client, standby.handler)
-    timings["standby"] = 1.0
-    timings["assign_ms"] = (time.perf_counter() - t0) * 1e3
+    timings["assign_ms"] = timings["activate_ms"] = (time.perf_counter() - t0) * 1e3
     binding.timings_ms = timings
     return assignment, AssignReply(message.instance_id, timings, binding.acquire_report)
 

@@ -120,7 +120,7 @@ class Standbys:
         if older is not None:
             await older.worker.terminate(self.config.drain_timeout_s)
         while len(self._ready) > self.config.standby:
-            await self._end(next(iter(self._ready)))
+            await self.end(next(iter(self._ready)))
 
     async def take(self, spec: dict[str, Any], model_dir: str, device: str) -> StandbyWorker | None:
         """The standby for ``spec``'s function on ``device`` if it was prepared for this very
@@ -146,7 +146,7 @@ class Standbys:
         now = time.monotonic()
         for name, s in list(self._ready.items()):
             if not s.worker.running or now - s.since > self.config.standby_ttl_s:
-                await self._end(name)
+                await self.end(name)
 
     def pool_died(self, device: str) -> list[WorkerHandle]:
         """Forget the standbys on ``device`` (their pool session is gone); returns their
@@ -155,7 +155,8 @@ class Standbys:
         gone = [name for name, s in self._ready.items() if s.device == device]
         return [self._ready.pop(name).worker for name in gone]
 
-    async def _end(self, name: str) -> None:
+    async def end(self, name: str) -> None:
+        """End ``name``'s standby, if it has one."""
         standby = self._ready.pop(name, None)
         if standby is not None:
             log.info("standby for %s in worker %d ends", name, standby.worker.pid)
@@ -163,4 +164,4 @@ class Standbys:
 
     async def close(self) -> None:
         for name in list(self._ready):
-            await self._end(name)
+            await self.end(name)

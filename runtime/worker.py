@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError, error_body
@@ -211,6 +212,8 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(409, exc.code, str(exc))
         except SandboxError as exc:  # the function's layer could not be stacked: not its code's fault
             return _error(500, exc.code, str(exc))
+        except PoolError as exc:  # the pool refused (no room, not resident) or went away
+            return _error(503, exc.code, f"the pool: {exc}")
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error

@@ -37,6 +37,13 @@ class WorkerReply(NamedTuple):
     status: int
     content: bytes
 
+    def error_type(self) -> str:
+        """The ``type`` of a worker's JSON error reply ("" when it is none)."""
+        try:
+            return str(json.loads(self.content)["error"]["type"])
+        except (ValueError, KeyError, TypeError):
+            return ""
+
     def error_message(self) -> str:
         """The message of a worker's JSON error reply (or the status and the body's start)."""
         try:

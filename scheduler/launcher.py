@@ -51,6 +51,11 @@ class BaseLauncher(Protocol):
         time (the node agent's standby workers); false when it was retired or lost."""
         ...
 
+    async def retire(self, name: str) -> None:
+        """``name`` was deleted or redeployed: drop what the launcher prepared for its next start
+        (the node agent's standby)."""
+        ...
+
     def alive(self, instance_id: str) -> bool:
         """Whether the instance's process still runs."""
         ...

@@ -307,6 +307,7 @@ class Router:
         """Drain and stop every instance of ``name`` on this router's devices (after ``delete``
         or a redeploy); other nodes' gateways retire theirs."""
         await self.drop_leases(name)
+        await self.launcher.retire(name)
         mine = set(self.launcher.devices())
         for inst in await asyncio.to_thread(self.state.instances, name):
             if inst.state == "ready" and inst.device in mine:

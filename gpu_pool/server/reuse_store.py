@@ -20,7 +20,7 @@ import numpy as np
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.arena.loader import group_copies
-from gpu_pool.errors import ConfigError, LoadError, ManifestError, SessionError
+from gpu_pool.errors import ConfigError, LoadError, ManifestError, NotResident, SessionError
 from gpu_pool.manifest import Manifest, TensorEntry
 from gpu_pool.planner.allocator import MergeCosts, PackingPolicy, Plan, TensorRequest, plan, plan_kv
 from gpu_pool.planner.eviction import (
@@ -234,7 +234,9 @@ class ReuseStore:
         """Plan and reserve: pin resident tensors, evict/move per the plan, place the missing
         ones (marked ``loading``, pinned). Their bytes are copied by :meth:`load`. ``access``:
         the acquire serves a request for the model, so it counts in the model's request rate
-        (``p_m``) and the reuse counters; a standby's preparation (runtime.assignment) is not."""
+        (``p_m``) and the reuse counters and may load; a standby's preparation
+        (runtime.assignment) is none of that, and fails with :class:`NotResident` instead of
+        loading anything."""
         session = self._session(session_id)
         now = self.clock()
         if access:
@@ -247,6 +249,8 @@ class ReuseStore:
             unique.setdefault(keys[e.name], e)
         resident = [k for k in unique if k in self.tensors]
         missing = [k for k in unique if k not in self.tensors]
+        if missing and not access:  # checked with the pins, under the daemon's lock: no race
+            raise NotResident(f"{len(missing)} tensors of {manifest.model_id} are not resident")
         # Pin what is resident before planning, so the plan can neither evict nor move it.
         for k in resident:
             self._pin(session, k, now)

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from gpu_pool.arena.cpu import CpuArena
-from gpu_pool.errors import LoadError, OutOfMemory, SessionError
+from gpu_pool.errors import LoadError, NotResident, OutOfMemory, SessionError
 from gpu_pool.manifest import Manifest
 from gpu_pool.planner.allocator import PackingPolicy, full_compaction_bytes
 from gpu_pool.planner.eviction import EvictionPolicy
@@ -237,11 +237,15 @@ def test_release_keeps_tensors_resident_and_reusable(manifests: list[Manifest]) 
 
 def test_an_acquire_that_is_no_access_counts_in_neither_rates_nor_reuse(manifests: list[Manifest]) -> None:
     """A standby's preparation (access=False) pins and places like any acquire, but it is not a
-    request for the model: the model's request rate (p_m) and the reuse counters stay put."""
+    request for the model: the model's request rate (p_m) and the reuse counters stay put, and
+    it fails instead of loading a model that is not resident."""
     arena = CpuArena(8 << 20, prefault=False)
     try:
         store = ReuseStore(arena, clock=lambda: 100.0)
         store.open_session("a")
+        with pytest.raises(NotResident):  # it never loads: nothing placed, pinned or counted
+            store.acquire("a", manifests[1], access=False)
+        assert not store.tensors and not store.sessions["a"].pins and store.counters["bytes_loaded"] == 0
         first = store.acquire("a", manifests[1])
         store.release("a")
         counters = dict(store.counters)

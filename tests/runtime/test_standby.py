@@ -12,11 +12,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from runtime.agent import NodeAgent
+from runtime.agent import LaunchError, NodeAgent
 from runtime.assignment import StandbyMismatch
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.worker_guard import TOKEN_HEADER
@@ -55,6 +56,19 @@ def test_standby_message_is_checked_and_matches_only_its_own_assignment() -> Non
     assert issubclass(StandbyMismatch, Exception) and StandbyMismatch.code == "standby_mismatch"
 
 
+def custom_function(tmp_path: Path, name: str, code: str) -> tuple[Path, dict[str, Any], str]:
+    """EMBER_HOME, a spec of function ``name`` whose handler module holds ``code``, and the
+    tiny model's source."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    home = tmp_path / "home"
+    module = home / "functions" / "default" / name / "v1" / f"{name}.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(code)
+    document = spec(name, {"source": str(tmp_path / "tiny.gguf")})
+    document["spec"]["handler"] = f"{module}:handler"
+    return home, document, str(tmp_path / "tiny.gguf")
+
+
 async def wait_standby(agent: NodeAgent, n: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -87,7 +101,7 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             await wait_warm(agent, 1)
             first = await agent.launch("1", document, model, device, time.time() + 120)
             expected = await complete(first.url, first.token)
-            assert "standby" not in first.timings_ms
+            assert "activate_ms" not in first.timings_ms
 
             # Retired (delete, redeploy, lost): no standby.
             await agent.stop("1")
@@ -105,7 +119,7 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             await wait_warm(agent, 1)
             (standby_pid,) = agent._standbys.pids()
             third = await agent.launch("3", document, model, device, time.time() + 120)
-            assert third.pid == standby_pid and third.timings_ms["standby"] == 1.0
+            assert third.pid == standby_pid and "activate_ms" in third.timings_ms
             assert third.bytes_loaded == 0 and third.bytes_reused == first.bytes_loaded > 0
             assert (await agent.report())[device]["standby_workers"] == 0
             assert await complete(third.url, third.token) == expected
@@ -120,7 +134,7 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             other_doc = spec("other", {"source": str(tmp_path / "other.gguf")})
             occupant = await agent.launch("4", other_doc, other, device, time.time() + 120)
             fourth = await agent.launch("5", document, model, device, time.time() + 120)
-            assert fourth.timings_ms["standby"] == 1.0 and fourth.bytes_loaded > 0
+            assert "activate_ms" in fourth.timings_ms and fourth.bytes_loaded > 0
             assert "build_ms" in fourth.timings_ms  # new placements (the other model took the old)
             assert await complete(fourth.url, fourth.token) == expected
             await complete(occupant.url, occupant.token)  # the other model serves beside it
@@ -134,7 +148,7 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             redeployed["spec"]["maxTokens"] = document["spec"]["maxTokens"] - 1
             await wait_warm(agent, 1)
             fifth = await agent.launch("6", redeployed, model, device, time.time() + 120)
-            assert fifth.pid != old_pid and "standby" not in fifth.timings_ms
+            assert fifth.pid != old_pid and "activate_ms" not in fifth.timings_ms
             assert await complete(fifth.url, fifth.token) == expected
             assert (await agent.report())[device]["standby_workers"] == 0
             assert second.pid != third.pid
@@ -248,20 +262,14 @@ def test_a_standby_whose_pool_died_while_it_was_prepared_is_not_kept(tmp_path: P
     """The pool dies while a standby is being prepared (after its session attached): the
     standby's session is gone with it, so it is not kept (it held the dead arena's memory and
     its activation could only fail)."""
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
-    home = tmp_path / "home"
-    module = home / "functions" / "default" / "slow" / "v1" / "slow.py"
-    module.parent.mkdir(parents=True)
-    module.write_text(SLOW_IMPORT)
+    home, document, source = custom_function(tmp_path, "slow", SLOW_IMPORT)
 
     async def scenario() -> None:
         agent = NodeAgent(agent_config(home, prewarm=1, standby=1))
         try:
             await agent.start()
-            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+            model = await agent.ensure_model(source, "float32")
             device = agent.devices()[0]
-            document = spec("slow", {"source": str(tmp_path / "tiny.gguf")})
-            document["spec"]["handler"] = f"{module}:handler"
             await agent.launch("1", document, model, device, time.time() + 120)
             await agent.stop("1", standby=True)
             deadline = time.monotonic() + 120
@@ -274,6 +282,69 @@ def test_a_standby_whose_pool_died_while_it_was_prepared_is_not_kept(tmp_path: P
                 assert time.monotonic() < deadline, "the preparation or the pool restart never ended"
                 await asyncio.sleep(0.1)
             assert agent._standbys.pids() == []
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+
+
+FLAKY = """
+import os
+from pathlib import Path
+
+from runtime.sdk import init
+
+
+@init(static=True)
+def setup(context):
+    # Counts its runs in the worker's TMPDIR (EMBER_HOME/tmp, shared by the node's workers):
+    # the first succeeds, every later one fails.
+    runs = Path(os.environ["TMPDIR"]) / "flaky-runs"
+    n = len(runs.read_text()) if runs.exists() else 0
+    runs.write_text("x" * (n + 1))
+    if n:
+        raise RuntimeError("the initializer fails from its second run on")
+    return {}
+
+
+async def handler(event, context):
+    return event
+"""
+
+
+@pytest.mark.slow
+def test_a_failing_initializer_is_not_run_again_elsewhere_and_retire_ends_the_standby(tmp_path: Path) -> None:
+    home, document, source = custom_function(tmp_path, "flaky", FLAKY)
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(home, prewarm=1, standby=1))
+        try:
+            await agent.start()
+            model = await agent.ensure_model(source, "float32")
+            device = agent.devices()[0]
+            await wait_warm(agent, 1)
+            await agent.launch("1", document, model, device, time.time() + 120)
+            await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await wait_standby(agent, 1)
+            # The activation's initializer fails: a function error, not the worker's. It is
+            # not run a third time on a pre-warmed worker.
+            with pytest.raises(LaunchError, match="initializer fails"):
+                await agent.launch("2", document, model, device, time.time() + 120)
+            assert (home / "tmp" / "flaky-runs").read_text() == "xx"
+
+            # A retired function (deleted, redeployed) keeps no standby.
+            plain = spec("plain", {"source": source})
+            await wait_warm(agent, 1)
+            await agent.launch("3", plain, model, device, time.time() + 120)
+            await wait_warm(agent, 1)
+            await agent.stop("3", standby=True)
+            await wait_standby(agent, 1)
+            (pid,) = agent._standbys.pids()
+            await agent.retire("plain")
+            assert (await agent.report())[device]["standby_workers"] == 0
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
         finally:
             await agent.close()
 

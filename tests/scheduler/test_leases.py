@@ -36,6 +36,9 @@ class RoutingOnlyLauncher:
     async def stop(self, instance_id: str, standby: bool = False) -> None:
         return None
 
+    async def retire(self, name: str) -> None:
+        return None
+
     def alive(self, instance_id: str) -> bool:
         return True
 
