@@ -196,11 +196,12 @@ class Bench:
         return max((int(d.get("warm_workers", 0)) for d in devices.values()), default=0)
 
     def quiet(self, prewarm: int) -> bool:
-        """Whether ``prewarm`` pre-warmed workers are ready and none is starting (a starting
-        worker's imports take the cores a cold start's prefill needs)."""
+        """Whether ``prewarm`` pre-warmed workers are ready, none is starting and no standby is
+        being prepared (a starting worker's imports take the cores a cold start's prefill needs)."""
         devices = self.cluster()["devices"].values()
         warm = max((int(d.get("warm_workers", 0)) for d in devices), default=0)
-        return warm >= prewarm and not any(int(d.get("starting_workers", 0)) for d in devices)
+        busy = ("starting_workers", "standby_preparing")  # worker starts, standbys being prepared
+        return warm >= prewarm and not any(int(d.get(k, 0)) for d in devices for k in busy)
 
     def wait_scaled_to_zero(self, prewarm: int) -> None:
         """No instance left, the pre-warmed pool replenished, then a short quiet period (device

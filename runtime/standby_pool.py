@@ -78,8 +78,8 @@ class Standbys:
         return [s.worker.pid for s in self._ready.values()]
 
     def report(self) -> dict[str, Any]:
-        """The device report's view: how many standbys are ready."""
-        return {"standby_workers": len(self._ready)}
+        """The device report's view: how many standbys are ready and being prepared."""
+        return {"standby_workers": len(self._ready), "standby_preparing": len(self._preparing)}
 
     async def prepare(self, assigned: AssignMessage, device: str) -> None:
         """Prepare a standby for the function ``assigned`` started on ``device`` (best effort:

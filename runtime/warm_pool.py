@@ -57,6 +57,7 @@ class WarmPool:
         self._warm: list[WorkerHandle] = []
         self._spawning: dict[int, asyncio.subprocess.Process] = {}  # pid -> worker still starting
         self._pending_spawns = 0  # spawn tasks not finished (including before their fork)
+        self._spares = 0  # workers starting for standbys (start_spare), outside the pool
         self._urgent = asyncio.Event()  # set while a launch waits for a pre-warmed worker
         self._ready = asyncio.Event()
         self._templates: set[str] = set()  # model directories every new worker preloads
@@ -98,7 +99,7 @@ class WarmPool:
     def report(self) -> dict[str, Any]:
         """The device report's view of the pool: ready workers, starts under way (or waiting
         for their delay) and failing starts."""
-        starting = self._pending_spawns
+        starting = self._pending_spawns + self._spares
         return {"warm_workers": len(self._warm), "starting_workers": starting, **self.backoff.report()}
 
     # ----- starting -------------------------------------------------------------------------------
@@ -256,7 +257,11 @@ class WarmPool:
         """A fresh worker outside the pool, for a standby: the ready ones stay for launches (one
         taken would make the next cold start of another function wait for a process start).
         :class:`LaunchError` when it fails to start."""
-        return await self._start_worker()
+        self._spares += 1
+        try:
+            return await self._start_worker()
+        finally:
+            self._spares -= 1
 
     def put_back(self, worker: WorkerHandle) -> None:
         """Return an unused worker: the next launch takes it first."""
