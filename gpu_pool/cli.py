@@ -15,6 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arena", help="arena size, e.g. 4GiB (EMBER_POOL_ARENA)")
     parser.add_argument("--socket", help="Unix socket path to serve on (EMBER_POOL_SOCKET)")
     parser.add_argument("--eviction", choices=["mce", "lru", "random"], help="Stage 1 policy")
+    parser.add_argument(
+        "--importance",
+        choices=["iam", "lru", "lfu", "arc", "srrip"],
+        help="MCE's p_m from a model-importance policy: mCache's IAM or a baseline "
+        "(EMBER_POOL_IMPORTANCE; default: the Poisson probability of a request within the horizon)",
+    )
     parser.add_argument("--packing", choices=["pgp", "global_merge"], help="Stage 2 policy")
     parser.add_argument("--no-prefault", action="store_true", help="do not pre-fault the CPU arena at start")
     parser.add_argument(
@@ -48,12 +54,14 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
     """Merge flags over the environment."""
     from gpu_pool.planner.allocator import PackingPolicy
     from gpu_pool.planner.eviction import EvictionPolicy
+    from gpu_pool.planner.importance import ImportancePolicy
 
     return PoolConfig.from_env(
         device=args.device,
         arena_bytes=parse_size(args.arena, "--arena") if args.arena else None,
         socket_path=args.socket,
         eviction=EvictionPolicy(args.eviction) if args.eviction else None,
+        importance=ImportancePolicy(args.importance) if args.importance else None,
         packing=PackingPolicy(args.packing) if args.packing else None,
         prefault=False if args.no_prefault else None,
         store_roots=tuple(args.store) if args.store else None,

@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 from gpu_pool.errors import ConfigError
 from gpu_pool.planner.allocator import PackingPolicy
 from gpu_pool.planner.eviction import EvictionPolicy
+from gpu_pool.planner.importance import ImportancePolicy
 from gpu_pool.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 _UNITS = {
@@ -82,6 +83,8 @@ class PoolConfig:
     max_tickets: int = 4096  # outstanding (granted, unused) tickets
     # Published prefix KV (gpu_pool.server.prefix_kv) kept at most; None: a quarter of the arena.
     prefix_bytes: int | None = None
+    # MCE's p_m from a model-importance policy (mCache's IAM or a baseline); None: Poisson rate.
+    importance: ImportancePolicy | None = None
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -154,6 +157,10 @@ class PoolConfig:
             values["session_kv_quota"] = parse_quota(
                 env["EMBER_POOL_SESSION_KV_QUOTA"], "EMBER_POOL_SESSION_KV_QUOTA"
             )
+        if "EMBER_POOL_IMPORTANCE" in env:
+            values["importance"] = _parse_enum(
+                ImportancePolicy, env["EMBER_POOL_IMPORTANCE"], "EMBER_POOL_IMPORTANCE"
+            )
         if "EMBER_POOL_PREFIX_BYTES" in env:
             values["prefix_bytes"] = parse_size(env["EMBER_POOL_PREFIX_BYTES"], "EMBER_POOL_PREFIX_BYTES")
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -216,7 +223,7 @@ def _parse_int(text: str, what: str) -> int:
         raise ConfigError(f"{what}: expected an integer, got {text!r}") from None
 
 
-_E = TypeVar("_E", EvictionPolicy, PackingPolicy)
+_E = TypeVar("_E", EvictionPolicy, PackingPolicy, ImportancePolicy)
 
 
 def _parse_enum(kind: type[_E], text: str, what: str) -> _E:

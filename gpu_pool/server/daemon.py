@@ -98,7 +98,12 @@ class PoolDaemon:
         self.arena = arena or make_arena(config)
         self.store = ReuseStore(
             self.arena,
-            StoreConfig(eviction=config.eviction, packing=config.packing, prefix_bytes=config.prefix_bytes),
+            StoreConfig(
+                eviction=config.eviction,
+                packing=config.packing,
+                prefix_bytes=config.prefix_bytes,
+                importance=config.importance,
+            ),
         )
         self._lock = asyncio.Lock()
         self._loading: dict[str, asyncio.Future[bool]] = {}  # tensor key -> its load's outcome

@@ -32,6 +32,7 @@ from gpu_pool.planner.eviction import (
     eviction_order,
     mce_ranking,
 )
+from gpu_pool.planner.importance import BaseImportance, ImportancePolicy, new_importance
 from gpu_pool.planner.layout import RegionColumns
 from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, Region, RegionKind, align_up, build_region_list
 from gpu_pool.server.prefix_kv import PrefixIndex, owner
@@ -49,6 +50,9 @@ class StoreConfig:
     default_bandwidth: float = 2e9  # bytes/s assumed for b_m until a load is measured
     seed: int = 0  # for the random-eviction baseline
     prefix_bytes: int | None = None  # bound on published prefix KV (None: a quarter of the arena)
+    # What MCE uses as p_m: mCache's importance or a baseline's (gpu_pool.planner.importance);
+    # None: the Poisson probability of a request within horizon_s.
+    importance: ImportancePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
@@ -154,6 +158,8 @@ class ReuseStore:
         if arena.capacity % self.config.alignment:
             raise ConfigError(f"arena capacity must be a multiple of {self.config.alignment} bytes")
         self.rates = rates or DecayedCountRateEstimator()
+        policy = self.config.importance
+        self.importance: BaseImportance | None = None if policy is None else new_importance(policy)
         self.clock = clock
         self.tensors: dict[str, TensorRecord] = {}
         self.kv_blocks: dict[int, KVBlock] = {}
@@ -241,6 +247,10 @@ class ReuseStore:
         now = self.clock()
         if access:
             self.rates.observe(manifest.model_id, now)
+            if self.importance is not None:  # a miss costs its bytes over the load bandwidth
+                known = self.models.get(manifest.model_id)
+                bandwidth = (known.bandwidth if known else None) or self._pool_bandwidth()
+                self.importance.access(manifest.model_id, now, manifest.nbytes, manifest.nbytes / bandwidth)
         keys = {e.name: self._key(e, session_id) for e in manifest.tensors}
         self._register_model(manifest, keys)
 
@@ -310,6 +320,8 @@ class ReuseStore:
             rec = self.tensors.get(k)
             if rec is not None and rec.loading:
                 del self.tensors[k]
+        if pending.missing and self.importance is not None:  # the load failed: not cached
+            self.importance.evicted(pending.manifest.model_id)
         if session is not None:
             for k in pending.resident:
                 self._unpin(session, k)
@@ -373,8 +385,7 @@ class ReuseStore:
             k for k, t in self.tensors.items() if not t.pins and (model_id is None or model_id in t.models)
         ]
         freed = sum(self.tensors[k].size for k in victims)
-        for k in victims:
-            del self.tensors[k]
+        self._drop(victims)
         self.counters.update(bytes_evicted=freed)
         return freed
 
@@ -399,8 +410,7 @@ class ReuseStore:
             raise SessionError("kv_alloc needs num_blocks > 0 and block_bytes > 0")
         size = align_up(block_bytes, self.config.alignment)
         kv_plan = plan_kv(self.columns(), num_blocks, size, self._eviction_order(), aligned)
-        for key in kv_plan.evictions:
-            del self.tensors[key]
+        self._drop(kv_plan.evictions)
         ids = []
         for offset in kv_plan.offsets:
             block = KVBlock(self._next_block_id, offset, size, session_id)
@@ -518,6 +528,13 @@ class ReuseStore:
         if session.pins[key] <= 0:
             del session.pins[key]
 
+    def _p_m(self, model_id: str, now: float) -> float:
+        """MCE's p_m of a model: its importance when a policy is set, else the Poisson
+        probability of a request within the horizon."""
+        if self.importance is not None:
+            return self.importance.importance(model_id, now)
+        return self.rates.miss_probability(model_id, now, self.config.horizon_s)
+
     def _eviction_order(self) -> list[str]:
         return self._eviction_inputs()[0]
 
@@ -531,7 +548,7 @@ class ReuseStore:
         pool_bw = self._pool_bandwidth()
         inputs = {
             m.model_id: ModelCostInputs(
-                self.rates.miss_probability(m.model_id, now, self.config.horizon_s),
+                self._p_m(m.model_id, now),
                 m.bandwidth or pool_bw,
                 m.latency_sensitivity,
             )
@@ -559,11 +576,18 @@ class ReuseStore:
         return plan(self.columns(), requests, order, self.config.packing, costs)
 
     def _apply_evictions_and_moves(self, the_plan: Plan) -> None:
-        for key in the_plan.evictions:
-            del self.tensors[key]
+        self._drop(the_plan.evictions)
         for mv in the_plan.moves:
             self.arena.move(mv.dst, mv.src, mv.size)
             self.tensors[mv.key].offset = mv.dst
+
+    def _drop(self, keys: Iterable[str]) -> None:
+        """Evict tensors ``keys``: their models are no longer (all) cached."""
+        for key in keys:
+            rec = self.tensors.pop(key)
+            if self.importance is not None:
+                for model_id in rec.models:
+                    self.importance.evicted(model_id)
 
     def _pool_bandwidth(self) -> float:
         loaded = self.counters["bytes_loaded"]

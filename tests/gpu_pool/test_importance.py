@@ -119,3 +119,15 @@ def test_settings_are_validated() -> None:
         StaticRRIP(bits=0)
     with pytest.raises(ValueError):
         ImportanceAware().access("a", 0.0, -1, 1.0)
+
+
+def test_the_policy_is_a_pool_setting() -> None:
+    from gpu_pool.config import PoolConfig
+    from gpu_pool.errors import ConfigError
+
+    base = {"EMBER_POOL_DEVICE": "cpu", "EMBER_POOL_ARENA": "16MiB", "EMBER_POOL_SOCKET": "/tmp/p.sock"}
+    assert PoolConfig.from_env(base).importance is None
+    config = PoolConfig.from_env({**base, "EMBER_POOL_IMPORTANCE": "IAM"})
+    assert config.importance is ImportancePolicy.IAM
+    with pytest.raises(ConfigError, match="EMBER_POOL_IMPORTANCE"):
+        PoolConfig.from_env({**base, "EMBER_POOL_IMPORTANCE": "mru"})

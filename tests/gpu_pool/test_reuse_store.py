@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,5 +320,30 @@ def test_failed_load_takes_its_waiters_down_and_leaves_no_trace(manifests: list[
             store.complete_acquire(b, 0.0)
         assert store.tensors == {} and not store.sessions["a"].pins and not store.sessions["b"].pins
         assert sum(r.size for r in store.regions() if r.is_free) == free_before
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize(("policy", "evicted"), [(None, "b"), ("iam", "b"), ("lru", "a"), ("lfu", "b")])
+def test_a_model_importance_policy_sets_which_model_an_acquire_evicts(
+    tmp_path: Path, policy: str | None, evicted: str
+) -> None:
+    """``a`` is requested often but not lately, ``b`` once and last; ``c`` needs the room of one
+    of them. mCache's importance and LFU keep ``a``; LRU keeps ``b``."""
+    from gpu_pool.planner.importance import ImportancePolicy
+
+    models = {m: write_entry(tmp_path, m, random_tensors(i, [400_000])) for i, m in enumerate("abc")}
+    arena = CpuArena(1 << 20, prefault=False)  # room for two models
+    clock = itertools.count()
+    try:
+        config = StoreConfig(importance=None if policy is None else ImportancePolicy(policy))
+        store = ReuseStore(arena, config, clock=lambda: float(next(clock)))
+        store.open_session("s")
+        for m in "aaaab":
+            store.acquire("s", models[m])
+            store.release("s")
+        store.acquire("s", models["c"])
+        resident = {m for m in "ab" if models[m].tensors[0].fingerprint in store.tensors}
+        assert resident == set("ab") - {evicted}
     finally:
         arena.close()
