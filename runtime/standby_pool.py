@@ -141,9 +141,10 @@ class Standbys:
         await standby.worker.terminate(self.config.drain_timeout_s)
         return None
 
-    async def expire(self) -> None:
-        """End the standbys older than ``standby_ttl_s`` and those whose process died."""
-        now = time.monotonic()
+    async def expire(self, now: float | None = None) -> None:
+        """End the standbys older than ``standby_ttl_s`` at ``now`` (monotonic seconds; default
+        the present) and those whose process died."""
+        now = time.monotonic() if now is None else now
         for name, s in list(self._ready.items()):
             if not s.worker.running or now - s.since > self.config.standby_ttl_s:
                 await self.end(name)

@@ -163,7 +163,7 @@ def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1, standby_ttl_s=2.0))
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1, standby_ttl_s=60.0))
         try:
             await agent.start()
             model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
@@ -174,11 +174,16 @@ def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
                 await agent.launch(str(i), document, model, device, time.time() + 120)
                 await wait_warm(agent, 1)
                 await agent.stop(str(i), standby=True)
-                await wait_standby(agent, 1)
+                deadline = time.monotonic() + 120
+                while document["metadata"]["name"] not in agent._standbys._ready:
+                    assert time.monotonic() < deadline, "the standby was never prepared"
+                    await asyncio.sleep(0.1)
             # At most one: "b"'s standby ended "a"'s.
             assert list(agent._standbys._ready) == ["b"]
-            await asyncio.sleep(2.5)
-            await wait_standby(agent, 0)  # past standby_ttl_s
+            await agent._standbys.expire(time.monotonic() + 59.0)  # not yet
+            assert list(agent._standbys._ready) == ["b"]
+            await agent._standbys.expire(time.monotonic() + 61.0)  # past standby_ttl_s
+            await wait_standby(agent, 0)
         finally:
             await agent.close()
 
