@@ -126,10 +126,17 @@ def _threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)  # on the event loop's thread, which steps the engine
 
 
-async def _serve(message: AssignMessage, binding: ModelBinding, client: Any, handler: Any) -> Assignment:
-    """Start serving: watch the pool, drive the engine, run the handler's initializer (for a
-    custom handler: ``handler`` is its :class:`LoadedHandler`, or its reference to import now).
-    On failure the binding and the session are closed."""
+def _import_handler(ref: str) -> LoadedHandler | None:
+    """The function's handler module, imported (None: the default handler). Before the pool
+    session opens: a module that fails to import leaves nothing to close."""
+    return None if ref == DEFAULT_HANDLER else load_handler(ref)
+
+
+async def _serve(
+    message: AssignMessage, binding: ModelBinding, client: Any, handler: LoadedHandler | None
+) -> Assignment:
+    """Start serving: watch the pool, drive the engine, run the handler's initializer (a custom
+    handler's). On failure the binding and the session are closed."""
     # An instance whose pool died cannot allocate KV or trust its weights' residency: it drains
     # (SIGTERM: no new connections, in-flight requests finish) and exits, and is started again
     # on the restarted pool.
@@ -138,8 +145,6 @@ async def _serve(message: AssignMessage, binding: ModelBinding, client: Any, han
     driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
     runner = None
     try:
-        if isinstance(handler, str):
-            handler = load_handler(handler)
         if handler is not None:
             runner = HandlerRunner(handler, message.spec, LLM(binding, loop))
             await runner.setup(message.deadline)
@@ -162,6 +167,7 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
     _threads(message.num_threads)
     template = await _template(state, message.model_dir)
     t_template = time.perf_counter()
+    handler = _import_handler(message.handler)
 
     def attach() -> tuple[ModelBinding, Any]:
         # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
@@ -173,7 +179,6 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
             raise
 
     binding, client = await asyncio.to_thread(attach)
-    handler = None if message.handler == DEFAULT_HANDLER else message.handler
     assignment = await _serve(message, binding, client, handler)
     timings = {
         "sandbox_ms": (t_sandbox - t0) * 1e3,
@@ -191,6 +196,7 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
     t0 = time.perf_counter()
     await state.sandbox.confine(message.spec)
     template = await _template(state, message.model_dir)
+    handler = _import_handler(message.handler)
 
     def attach() -> tuple[ModelBinding, Any, dict[str, int]]:
         client = _session(state, message.pool_socket, message.pool_ticket)
@@ -199,7 +205,7 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             # meanwhile would bring its bytes back (evicting others) for a start that may never
             # come. The pool fails it with NotResident instead.
             placements = client.acquire_placements(template.manifest, access=False)
-            binding = bind_at(template, client, placements, _max_tokens(message.spec), message.kv_quota_bytes)
+            binding = bind_at(template, client, placements, message.max_tokens, message.kv_quota_bytes)
             client.release()  # pins nothing while it waits: the pool may evict or move the model
             return binding, client, placements
         except BaseException:
@@ -207,12 +213,6 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             raise
 
     binding, client, placements = await asyncio.to_thread(attach)
-    try:
-        handler = None if message.handler == DEFAULT_HANDLER else load_handler(message.handler)
-    except BaseException:
-        binding.engine.close()
-        client.close()
-        raise
     standby = Standby(message, binding, client, placements, handler)
     timings = {**binding.timings_ms, "prepare_ms": (time.perf_counter() - t0) * 1e3}
     return standby, StandbyReply(timings)
@@ -244,7 +244,3 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
     timings["assign_ms"] = timings["activate_ms"] = (time.perf_counter() - t0) * 1e3
     binding.timings_ms = timings
     return assignment, AssignReply(message.instance_id, timings, binding.acquire_report)
-
-
-def _max_tokens(spec: dict[str, Any]) -> int:
-    return int(spec["spec"]["maxTokens"])

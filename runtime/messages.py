@@ -86,8 +86,25 @@ def _timings(timings: Any) -> None:
             raise MessageError(f"timings_ms: {name!r} must be a finite, non-negative number")
 
 
+class _FunctionMessage:
+    """What an assign and a standby read of the function's spec document."""
+
+    __slots__ = ()
+    spec: dict[str, Any]
+
+    @property
+    def handler(self) -> str:
+        """The function's handler: ``default`` or ``module.py:function``."""
+        return str(self.spec["spec"]["handler"])
+
+    @property
+    def max_tokens(self) -> int:
+        """The function's ``maxTokens`` (tokens per request)."""
+        return int(self.spec["spec"]["maxTokens"])
+
+
 @dataclass(frozen=True, slots=True)
-class AssignMessage:
+class AssignMessage(_FunctionMessage):
     """``/_ember/assign``: become instance ``instance_id`` of the function ``spec``."""
 
     instance_id: str
@@ -115,16 +132,6 @@ class AssignMessage:
         if not math.isfinite(self.deadline) or self.deadline <= 0:
             raise MessageError("deadline must be a finite, positive number of epoch seconds")
 
-    @property
-    def handler(self) -> str:
-        """The function's handler: ``default`` or ``module.py:function``."""
-        return str(self.spec["spec"]["handler"])
-
-    @property
-    def max_tokens(self) -> int:
-        """The function's ``maxTokens`` (tokens per request)."""
-        return int(self.spec["spec"]["maxTokens"])
-
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -137,7 +144,7 @@ class AssignMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class StandbyMessage:
+class StandbyMessage(_FunctionMessage):
     """``/_ember/standby``: prepare to become an instance of ``spec`` (everything an assign
     does that needs no instance: :mod:`runtime.assignment`). The assign that activates the
     standby must carry the same function, model, pool, ticket and quota."""
@@ -150,11 +157,6 @@ class StandbyMessage:
 
     def __post_init__(self) -> None:
         _check_function(self.spec, self.model_dir, self.pool_socket, self.pool_ticket, self.kv_quota_bytes)
-
-    @property
-    def handler(self) -> str:
-        """The function's handler: ``default`` or ``module.py:function``."""
-        return str(self.spec["spec"]["handler"])
 
     def activated_by(self, message: AssignMessage) -> bool:
         """Whether ``message`` assigns the function this standby prepared (same spec, model,

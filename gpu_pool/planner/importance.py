@@ -11,7 +11,7 @@ that then replaces the importance queue (a min-heap on rank) in one step; betwee
 newly cached model enters the queue with its own rank against the current utilities.
 
 Every policy here answers the same two questions: :meth:`BaseImportance.victims` (cached
-models, least important first) and :meth:`BaseImportance.importance` (a score in [0, 1], 1 the
+models, least important first) and :meth:`BaseImportance.scores` (each a score in [0, 1], 1 the
 most important), which is what the pool's Minimal-Cost Eviction uses as ``p_m`` when a policy
 is configured. The baselines mCache compares against (§5): LRU, LFU, ARC (Megiddo and Modha,
 2003: recency and frequency lists with ghost histories and an adaptive target) and SRRIP
@@ -55,12 +55,17 @@ class BaseImportance(ABC):
     def victims(self, now: float) -> list[str]:
         """The cached models, least important (first to evict) first."""
 
-    def importance(self, model_id: str, now: float) -> float:
-        """A score in [0, 1] (1: the most important cached model; 0: not cached or the least)."""
+    def scores(self, now: float) -> dict[str, float]:
+        """Every cached model's importance in [0, 1] (1: the most important; the least
+        important 0), from one :meth:`victims` order. A model not in it scores 0."""
         order = self.victims(now)
-        if model_id not in order or len(order) == 1:
-            return 1.0 if model_id in order else 0.0
-        return order.index(model_id) / (len(order) - 1)
+        if len(order) == 1:
+            return {order[0]: 1.0}
+        return {m: i / (len(order) - 1) for i, m in enumerate(order)}
+
+    def importance(self, model_id: str, now: float) -> float:
+        """One model's score (:meth:`scores`; 0 when it is not cached)."""
+        return self.scores(now).get(model_id, 0.0)
 
 
 def new_importance(policy: ImportancePolicy) -> BaseImportance:

@@ -528,13 +528,6 @@ class ReuseStore:
         if session.pins[key] <= 0:
             del session.pins[key]
 
-    def _p_m(self, model_id: str, now: float) -> float:
-        """MCE's p_m of a model: its importance when a policy is set, else the Poisson
-        probability of a request within the horizon."""
-        if self.importance is not None:
-            return self.importance.importance(model_id, now)
-        return self.rates.miss_probability(model_id, now, self.config.horizon_s)
-
     def _eviction_order(self) -> list[str]:
         return self._eviction_inputs()[0]
 
@@ -546,9 +539,14 @@ class ReuseStore:
             candidates = [EvictionCandidate(t.key, t.size, t.owners, t.last_used) for t in inactive]
             return eviction_order(self.config.eviction, candidates, {}, self._rng), None
         pool_bw = self._pool_bandwidth()
+        # p_m: the model-importance policy's score when one is set (one order for all models),
+        # else the Poisson probability of a request within the horizon.
+        scores = None if self.importance is None else self.importance.scores(now)
         inputs = {
             m.model_id: ModelCostInputs(
-                self._p_m(m.model_id, now),
+                scores.get(m.model_id, 0.0)
+                if scores is not None
+                else self.rates.miss_probability(m.model_id, now, self.config.horizon_s),
                 m.bandwidth or pool_bw,
                 m.latency_sensitivity,
             )

@@ -11,6 +11,8 @@ import copy
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,21 @@ def custom_function(tmp_path: Path, name: str, code: str) -> tuple[Path, dict[st
     return home, document, str(tmp_path / "tiny.gguf")
 
 
+@asynccontextmanager
+async def started_agent(
+    home: Path, source: str, **overrides: Any
+) -> AsyncIterator[tuple[NodeAgent, dict[str, Any], str]]:
+    """A started agent (one pre-warmed worker, one standby unless ``overrides`` say otherwise)
+    with the model ``source`` registered: the agent, the model's document and the device id."""
+    agent = NodeAgent(agent_config(home, **{"prewarm": 1, "standby": 1, **overrides}))
+    try:
+        await agent.start()
+        model = await agent.ensure_model(source, "float32")
+        yield agent, model, agent.devices()[0]
+    finally:
+        await agent.close()
+
+
 async def wait_standby(agent: NodeAgent, n: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -92,12 +109,8 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
     write_tiny_gguf(tmp_path / "other.gguf", hf_weights(4))
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
+        async with started_agent(tmp_path / "home", str(tmp_path / "tiny.gguf")) as (agent, model, device):
             document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
-            device = agent.devices()[0]
             await wait_warm(agent, 1)
             first = await agent.launch("1", document, model, device, time.time() + 120)
             expected = await complete(first.url, first.token)
@@ -152,8 +165,6 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             assert await complete(fifth.url, fifth.token) == expected
             assert (await agent.report())[device]["standby_workers"] == 0
             assert second.pid != third.pid
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
 
@@ -163,11 +174,8 @@ def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1, standby_ttl_s=60.0))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
-            device = agent.devices()[0]
+        tiny = str(tmp_path / "tiny.gguf")
+        async with started_agent(tmp_path / "home", tiny, standby_ttl_s=60.0) as (agent, model, device):
             docs = [spec(name, {"source": str(tmp_path / "tiny.gguf")}) for name in ("a", "b")]
             for i, document in enumerate(docs):
                 await wait_warm(agent, 1)
@@ -184,8 +192,6 @@ def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
             assert list(agent._standbys._ready) == ["b"]
             await agent._standbys.expire(time.monotonic() + 61.0)  # past standby_ttl_s
             await wait_standby(agent, 0)
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
 
@@ -201,11 +207,7 @@ def test_a_standby_loads_nothing(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
-            device = agent.devices()[0]
+        async with started_agent(tmp_path / "home", str(tmp_path / "tiny.gguf")) as (agent, model, device):
             document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
             await agent.launch("1", document, model, device, time.time() + 120)
             assigned = agent._instances["1"].assigned
@@ -218,8 +220,6 @@ def test_a_standby_loads_nothing(tmp_path: Path) -> None:
             (after,) = (await agent.report()).values()
             assert after["standby_workers"] == 0 and after["bytes_loaded"] == before["bytes_loaded"]
             assert model["id"] not in after["models"] or after["models"][model["id"]] == 0
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
 
@@ -232,11 +232,7 @@ def test_a_standby_leaves_the_pre_warmed_workers_to_launches(tmp_path: Path) -> 
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=1, standby=1))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(str(tmp_path / "tiny.gguf"), "float32")
-            device = agent.devices()[0]
+        async with started_agent(tmp_path / "home", str(tmp_path / "tiny.gguf")) as (agent, model, device):
             document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
             await agent.launch("1", document, model, device, time.time() + 120)
             (ready,) = await wait_warm(agent, 1)
@@ -246,8 +242,6 @@ def test_a_standby_leaves_the_pre_warmed_workers_to_launches(tmp_path: Path) -> 
             await wait_standby(agent, 1)
             assert agent.warm() == [ready]  # the next launch of another function takes it at once
             assert ready[0] not in agent._standbys.pids()
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
 
@@ -270,11 +264,7 @@ def test_a_standby_whose_pool_died_while_it_was_prepared_is_not_kept(tmp_path: P
     home, document, source = custom_function(tmp_path, "slow", SLOW_IMPORT)
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(home, prewarm=1, standby=1))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(source, "float32")
-            device = agent.devices()[0]
+        async with started_agent(home, source) as (agent, model, device):
             await agent.launch("1", document, model, device, time.time() + 120)
             await agent.stop("1", standby=True)
             deadline = time.monotonic() + 120
@@ -287,8 +277,6 @@ def test_a_standby_whose_pool_died_while_it_was_prepared_is_not_kept(tmp_path: P
                 assert time.monotonic() < deadline, "the preparation or the pool restart never ended"
                 await asyncio.sleep(0.1)
             assert agent._standbys.pids() == []
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
 
@@ -322,11 +310,7 @@ def test_a_failing_initializer_is_not_run_again_elsewhere_and_retire_ends_the_st
     home, document, source = custom_function(tmp_path, "flaky", FLAKY)
 
     async def scenario() -> None:
-        agent = NodeAgent(agent_config(home, prewarm=1, standby=1))
-        try:
-            await agent.start()
-            model = await agent.ensure_model(source, "float32")
-            device = agent.devices()[0]
+        async with started_agent(home, source) as (agent, model, device):
             await wait_warm(agent, 1)
             await agent.launch("1", document, model, device, time.time() + 120)
             await wait_warm(agent, 1)
@@ -350,7 +334,5 @@ def test_a_failing_initializer_is_not_run_again_elsewhere_and_retire_ends_the_st
             assert (await agent.report())[device]["standby_workers"] == 0
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        finally:
-            await agent.close()
 
     asyncio.run(scenario())
