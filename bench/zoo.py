@@ -334,12 +334,14 @@ def main(argv: list[str] | None = None) -> None:
         "--root", type=Path, help=f"${ZOO_DIR_ENV}/<profile>, else ~/.cache/ember/zoo/<profile>"
     )
     parser.add_argument("--dedup", action="store_true", help="measure fine-tune dedup in a real pool daemon")
+    parser.add_argument("--out", type=Path, help="append the JSON line to this file too (bench/plots.py)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     zoo = build(args.root or default_root(args.profile), args.profile, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - start
     shares = check_shares(zoo)
     out: dict[str, Any] = {
+        "bench": "zoo",
         "profile": args.profile,
         "root": str(zoo.root),
         "models": [
@@ -359,7 +361,11 @@ def main(argv: list[str] | None = None) -> None:
         from bench.zoo_dedup import measure_dedup
 
         out["dedup"] = [r.to_json() for r in measure_dedup(zoo)]
-    print(json.dumps(out))
+    text = json.dumps(out)
+    print(text)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
