@@ -6,7 +6,7 @@ report plus the tensors' placements; the daemon sends the report in its ``acquir
 holds it, the worker returns it from ``/_ember/assign`` and the agent reads its bytes from it.
 
 Wire encoding, version :data:`REPORT_VERSION`: a map with exactly the keys ``v`` and the
-report's fields (``{"v": 1, "bytes_loaded": ..., "plan_seconds": ...}``), carried as msgpack
+report's fields (``{"v": 2, "bytes_loaded": ..., "move_seconds": ...}``), carried as msgpack
 by the pool protocol (the ``acquire`` reply's ``report``) and as JSON by the worker's assign
 reply (its ``acquire``). :meth:`AcquireReport.from_wire` refuses anything else with a typed
 error: a map of another shape or version, a field of the wrong type (booleans are not
@@ -22,9 +22,10 @@ from typing import Any
 from gpu_pool.errors import InvalidArgument, ProtocolError, UnsupportedVersion
 from gpu_pool.wire.messages import MAX_COUNT
 
-REPORT_VERSION = 1
+# 2: ``move_seconds`` (Tangram's Merge time, Fig. 10) joined the report.
+REPORT_VERSION = 2
 COUNT_FIELDS = ("bytes_loaded", "bytes_reused", "bytes_moved", "bytes_evicted")
-SECONDS_FIELDS = ("load_seconds", "plan_seconds")
+SECONDS_FIELDS = ("load_seconds", "plan_seconds", "move_seconds")
 REPORT_FIELDS = (*COUNT_FIELDS, *SECONDS_FIELDS)  # the dataclass's fields, in order
 
 
@@ -33,8 +34,10 @@ class AcquireReport:
     """What an ``acquire`` cost, as the pool daemon measured it.
 
     Bytes are the manifest's tensor bytes (unaligned) loaded from the model store, served
-    from resident tensors, moved to make room and evicted; seconds are the byte copies'
-    wall time and the planner's. Validated on construction; seconds are stored as floats.
+    from resident tensors, moved to make room and evicted; seconds are the wall time of the
+    byte copies from the store (Tangram's Load), of the planner (Compute) and of moving
+    resident tensors to make room (Merge). Validated on construction; seconds are stored as
+    floats.
     """
 
     bytes_loaded: int
@@ -43,6 +46,7 @@ class AcquireReport:
     bytes_evicted: int
     load_seconds: float
     plan_seconds: float
+    move_seconds: float
 
     def __post_init__(self) -> None:
         for name in COUNT_FIELDS:

@@ -122,6 +122,7 @@ class PendingAcquire:
     bytes_moved: int
     bytes_evicted: int
     plan_seconds: float
+    move_seconds: float  # evictions and moves applied to the arena (Tangram's Merge)
     waits_on: frozenset[str]
     access: bool = True  # a request for the model (False: a standby's preparation, not counted)
 
@@ -269,7 +270,7 @@ class ReuseStore:
             requests = [TensorRequest(k, align_up(unique[k].nbytes, self.config.alignment)) for k in missing]
             the_plan = self._plan(requests)
             plan_seconds = time.perf_counter() - t0
-            self._apply_evictions_and_moves(the_plan)
+            move_seconds = self._apply_evictions_and_moves(the_plan)
         except BaseException:
             for k in resident:
                 self._unpin(session, k)
@@ -294,7 +295,7 @@ class ReuseStore:
         )
         return PendingAcquire(
             session_id, manifest, keys, unique, tuple(resident), tuple(missing), jobs,
-            the_plan.bytes_moved, the_plan.bytes_evicted, plan_seconds,
+            the_plan.bytes_moved, the_plan.bytes_evicted, plan_seconds, move_seconds,
             frozenset(k for k in resident if self.tensors[k].loading), access,
         )  # fmt: skip
 
@@ -358,6 +359,7 @@ class ReuseStore:
             bytes_evicted=pending.bytes_evicted,
             load_seconds=load_seconds,
             plan_seconds=pending.plan_seconds,
+            move_seconds=pending.move_seconds,
         )
 
     def release(self, session_id: str) -> None:
@@ -573,11 +575,17 @@ class ReuseStore:
         order, costs = self._eviction_inputs()
         return plan(self.columns(), requests, order, self.config.packing, costs)
 
-    def _apply_evictions_and_moves(self, the_plan: Plan) -> None:
+    def _apply_evictions_and_moves(self, the_plan: Plan) -> float:
+        """Apply the plan's evictions and moves; returns the seconds the moves took (0.0
+        without any: evictions only drop records)."""
         self._drop(the_plan.evictions)
+        if not the_plan.moves:
+            return 0.0
+        t0 = time.perf_counter()
         for mv in the_plan.moves:
             self.arena.move(mv.dst, mv.src, mv.size)
             self.tensors[mv.key].offset = mv.dst
+        return time.perf_counter() - t0
 
     def _drop(self, keys: Iterable[str]) -> None:
         """Evict tensors ``keys``: their models are no longer (all) cached."""

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from gpu_pool.acquire_report import AcquireReport
+from gpu_pool.acquire_report import REPORT_VERSION, AcquireReport
 from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.errors import OutOfMemory, SessionError
 from gpu_pool.manifest import Manifest
@@ -94,11 +94,11 @@ def test_acquire_reply_sends_placements_beside_a_versioned_report(
         assert set(reply) - {"v", "id", "ok"} == {"placements", "report"}
         assert set(reply["placements"]) == {e.name for e in manifest.tensors}
         report = AcquireReport.from_wire(reply["report"])
-        assert reply["report"]["v"] == 1 and report.bytes_loaded == manifest.nbytes
+        assert reply["report"]["v"] == REPORT_VERSION and report.bytes_loaded == manifest.nbytes
     with PoolClient(pool_process.socket_path) as again:
         again.acquire(manifest)
         assert again.last_acquire == AcquireReport(
-            0, manifest.nbytes, 0, 0, 0.0, again.last_acquire.plan_seconds
+            0, manifest.nbytes, 0, 0, 0.0, again.last_acquire.plan_seconds, 0.0
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpu_pool.acquire_report import AcquireReport
+from gpu_pool.acquire_report import REPORT_VERSION, AcquireReport
 from runtime.messages import (
     MAX_MESSAGE_BYTES,
     AssignMessage,
@@ -87,6 +87,7 @@ REPORT = AcquireReport(
     bytes_evicted=0,
     load_seconds=0.0,
     plan_seconds=0.001,
+    move_seconds=0.0,
 )
 
 
@@ -118,7 +119,7 @@ def test_assign_reply_round_trips_with_the_pools_acquire_report() -> None:
         reply_body(timings_ms={"": 1.0}),
         reply_body(timings_ms={f"s{i}": 1.0 for i in range(65)}),
         reply_body(acquire={"bytes_loaded": 0}),  # the old unversioned dict
-        reply_body(acquire={**REPORT.to_wire(), "v": 2}),
+        reply_body(acquire={**REPORT.to_wire(), "v": REPORT_VERSION + 1}),
         reply_body(acquire={**REPORT.to_wire(), "bytes_loaded": -5}),
         reply_body(acquire=None),
         reply_body(extra=1),
