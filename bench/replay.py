@@ -35,6 +35,7 @@ from bench.openai_stream import http_client, sse_chunks
 from bench.workload import Arrival, Trace
 from bench.zoo import Zoo, ZooModel, function_spec
 from gateway.spawn import ServeProcess
+from runtime.device_report import read_stats
 
 POLL_S = 0.1  # /v1/cluster poll period: well under the shortest keep-alive the bench uses
 MAX_CONCURRENT = 64  # requests in flight at once from the replayer (more are queued)
@@ -89,7 +90,7 @@ class ReplayResult:
     requests: tuple[RequestResult, ...]
     cold_starts: tuple[ColdStart, ...]
     wall_s: float
-    pool: dict[str, Any]  # the device report at the end (bytes loaded, reused, moved, ...)
+    pool: dict[str, Any]  # the pool's stats at the end (bytes loaded, reused, moved, ...)
 
 
 class Replay:
@@ -132,12 +133,18 @@ class Replay:
         out: dict[str, Any] = r.json()
         return out
 
-    def wait_idle(self, timeout_s: float = 300.0) -> None:
-        """Until no function has an instance (all scaled to zero)."""
+    def wait_ready(self, prewarm: int, timeout_s: float = 300.0) -> None:
+        """Until ``prewarm`` pre-warmed workers are ready and none is starting (a fresh
+        ``ember serve`` starts them in the background: a trace must not begin against that)."""
         deadline = time.monotonic() + timeout_s
-        while any(f["instances"] for f in self.cluster()["functions"].values()):
+        while True:
+            devices = list(self.cluster()["devices"].values())
+            if devices and all(
+                int(d.get("warm_workers", 0)) >= prewarm and not int(d.get("starting_workers", 0)) for d in devices
+            ):
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"instances still running after {timeout_s:.0f} s")
+                raise TimeoutError(f"{prewarm} pre-warmed workers not ready after {timeout_s:.0f} s: {devices}")
             time.sleep(0.2)
 
     def run(self, trace: Trace, functions: list[str]) -> ReplayResult:
@@ -180,9 +187,8 @@ class Replay:
         time.sleep(2 * POLL_S)  # the last instances' records
         stop.set()
         poller.join()
-        devices = self.cluster()["devices"]
-        pool = next(iter(devices.values())) if devices else {}
-        return ReplayResult(tuple(results), tuple(seen.values()), wall, pool)
+        # From the pool itself: device reports are up to a second old.
+        return ReplayResult(tuple(results), tuple(seen.values()), wall, read_stats(self.server.pool_socket))
 
     def _one(self, index: int, arrival: Arrival, function: str, t0: float) -> RequestResult:
         sent = time.perf_counter()

@@ -42,13 +42,15 @@ from typing import Any
 
 from bench.openai_stream import pct
 from bench.replay import Replay, ReplayResult
-from bench.workload import Trace, TraceConfig, generate, summary
+from bench.workload import AZURE_KEEP_ALIVE_S, Trace, TraceConfig, generate, summary
 from bench.zoo import Zoo, build, default_root
 from scheduler.spec import SloSpec
 
 POLICIES = ("iam", "lru", "lfu", "arc", "srrip")
 CAPACITIES = (0.4, 0.6, 0.8)
-KEEP_ALIVE = "2s"
+PREWARM = 4  # pre-warmed workers (Ember's default is 2): a burst of cold starts of several functions
+KEEP_ALIVE_S = 2.0  # the functions' keep-alive: Azure's 20 minutes, compressed by TIME_SCALE
+TIME_SCALE = AZURE_KEEP_ALIVE_S / KEEP_ALIVE_S  # trace seconds per replay second (600)
 ARENA_ALIGN = 1 << 20
 
 
@@ -108,10 +110,11 @@ def score(result: ReplayResult, slo: SloSpec) -> dict[str, Any]:
 def run_config(zoo: Zoo, trace: Trace, order: list[str], policy: str, capacity: float, work: Path) -> dict[str, Any]:
     """Replay ``trace`` on a fresh ``ember serve`` with ``policy`` and ``capacity``."""
     arena = arena_bytes(zoo, capacity)
-    env = {"EMBER_ARENA": str(arena), "EMBER_POOL_IMPORTANCE": policy, "EMBER_PREWARM": "1"}
+    env = {"EMBER_ARENA": str(arena), "EMBER_POOL_IMPORTANCE": policy, "EMBER_PREWARM": str(PREWARM)}
     t0 = time.perf_counter()
-    with Replay(zoo, work / f"{policy}-{capacity}", env, KEEP_ALIVE) as replay:
+    with Replay(zoo, work / f"{policy}-{capacity}", env, f"{KEEP_ALIVE_S:g}s") as replay:
         replay.deploy(zoo.models)
+        replay.wait_ready(PREWARM)
         result = replay.run(trace, order)
     out = {"policy": policy, "capacity": capacity, "arena_bytes": arena, **score(result, SloSpec())}
     out["config_s"] = round(time.perf_counter() - t0, 1)
@@ -162,6 +165,7 @@ def main() -> None:
         max_tokens=(2, 8),
         prompt_tokens=(8, 64),
         seed=args.seed,
+        time_scale=TIME_SCALE,
     )
     trace = generate(config)
     order = function_order(zoo, args.seed)

@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
-from gpu_pool.errors import PoolError
+from gpu_pool.errors import OutOfMemory, PoolError
 from runtime.agent_config import AgentConfig
 from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
-from runtime.errors import LaunchError
+from runtime.errors import LaunchError, NoRoom
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
 from runtime.standby_pool import Standbys, function_name, kv_scope
@@ -290,7 +290,8 @@ class NodeAgent:
             raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
         if resp.status != 200:
             await worker.terminate(drain_s)
-            kind = _InitFailed if resp.error_type() == FUNCTION_INIT_FAILED else LaunchError
+            kinds = {FUNCTION_INIT_FAILED: _InitFailed, OutOfMemory.code: NoRoom}
+            kind = kinds.get(resp.error_type() or "", LaunchError)
             raise kind(f"worker refused the function: {resp.error_message()}")
         try:
             return AssignReply.from_json(resp.content)

@@ -27,6 +27,13 @@ class LaunchError(EmberRuntimeError):
     code = "launch_error"
 
 
+class NoRoom(LaunchError):
+    """The device's pool had no room for the model next to what other instances pin (the
+    scheduler's ``NO_ROOM``: it makes room or waits, and places again)."""
+
+    code = "no_room"
+
+
 def error_body(
     kind: str, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, object]:

@@ -5,7 +5,10 @@ residency (a device that has not reported yet counts as empty, of unknown size).
 :meth:`ColdStarter.start` launches an instance whose record the router created (state
 ``starting``) and marks it ``ready`` with what the launch measured. A failed launch forgets
 the record and is remembered per function (:meth:`~ColdStarter.failure`): the requests waiting
-for it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. An
+for it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. A
+launch the device had no room for (:data:`scheduler.launcher.NO_ROOM`: the placement read a
+report older than other starts' pins) is not the function's failure: the waiting requests
+place again on a fresh report. An
 instance deleted while it started is stopped; one that cannot be recorded ready (Redis away
 too long) is stopped too, so no worker runs that nobody can route to.
 """
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from scheduler.errors import SchedulerError, StartFailed, StateConflict
-from scheduler.launcher import BaseLauncher, StartedInstance
+from scheduler.launcher import NO_ROOM, BaseLauncher, StartedInstance
 from scheduler.policies import DeviceState, ModelDemand, place
 from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState, on_loop
@@ -88,6 +91,18 @@ class ColdStarter:
         placement = place([ModelDemand(model.model_id, model.weight_bytes)], devices)[0]
         return placement.device_id, placement.expected_start_s
 
+    async def could_ever_fit(self, record: FunctionRecord) -> bool:
+        """Whether some device's pool is large enough for the model at all, every byte of it
+        free (a device that has not reported yet, or not its capacity, counts as large enough)."""
+        model = record.model
+        if model is None:
+            return False
+        reports = await on_loop(self.state.device_reports)
+        return any(
+            (r := reports.get(device_id)) is None or not r.capacity_bytes or r.capacity_bytes >= model.weight_bytes
+            for device_id in self.launcher.devices()
+        )
+
     async def start(
         self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
     ) -> None:
@@ -112,9 +127,13 @@ class ColdStarter:
                 instance_id, record.spec, record.model.encode(), device, deadline
             )
         except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
+            no_room = getattr(exc, "code", None) == NO_ROOM
             log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
-            self._failures[name] = (time.time(), str(exc))
+            if not no_room:  # no room is the device's state, not the function's fault
+                self._failures[name] = (time.time(), str(exc))
             await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
+            if no_room:  # the placement read an old report: the waiting requests place again
+                await self.launcher.report()
             self._notify(name)
             return
         start_ms = (time.perf_counter() - t0) * 1e3
@@ -142,3 +161,5 @@ class ColdStarter:
         if self.on_start is not None:
             self.on_start(name, started)
         self._notify(name)
+        # The next placement must see this instance's pins (reports are otherwise a second old).
+        await self.launcher.report()

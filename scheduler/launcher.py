@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+# The ``code`` of the exception a launch raises when the device's pool had no room for the
+# model next to what others pin (the scheduler places again instead of failing the function).
+NO_ROOM = "no_room"
+
 
 class StartedInstance(Protocol):
     """What starting one instance measured."""
@@ -42,7 +46,9 @@ class BaseLauncher(Protocol):
     async def launch(
         self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
     ) -> StartedInstance:
-        """Start ``instance_id`` of the function ``spec`` with ``model`` on ``device_id``."""
+        """Start ``instance_id`` of the function ``spec`` with ``model`` on ``device_id``; a
+        failure for lack of room in the device's pool raises an exception whose ``code`` is
+        :data:`NO_ROOM`."""
         ...
 
     async def stop(self, instance_id: str, standby: bool = False) -> None:

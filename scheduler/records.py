@@ -217,6 +217,7 @@ class DeviceReport:
     evictable_bytes: int
     resident_bytes: dict[str, int]  # model id -> bytes of its tensors resident in the pool
     load_bandwidth: float  # bytes/s the pool measured loading from disk (0: not measured yet)
+    capacity_bytes: int = 0  # the pool's arena (0: not reported)
 
     @staticmethod
     def encode(report: Mapping[str, Any], updated: float | None = None) -> dict[str, Any]:
@@ -240,4 +241,5 @@ class DeviceReport:
             _int(data.get("evictable_bytes", 0), "evictable_bytes"),
             resident,
             _float(data.get("load_bandwidth") or 0.0, "load_bandwidth"),
+            _int(data.get("capacity_bytes", 0), "capacity_bytes"),
         )

@@ -51,6 +51,7 @@ from scheduler.state import ClusterState, on_loop
 __all__ = ["Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
 
 log = logging.getLogger("ember.scheduler")
+_FAR_FUTURE_S = 1e9  # added to the clock: every idle instance is past its keep-alive then
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class Router:
         self._unreleased: list[tuple[str, float]] = []  # slots to release once Redis answers
         self.leases = Leases(self.config.lease_s, self.config.max_leases, self.release, self._spawn)
         self._last_report = 0.0
+        self._reclaiming = asyncio.Lock()
 
     # ----- routing --------------------------------------------------------------------------
 
@@ -215,7 +217,11 @@ class Router:
             return
         device, expected = await self.starter.place(record)
         if device is None:
-            raise Rejected(f"no device can hold {name!r}'s model now", 5.0)
+            device, expected = await self._reclaim(name, record)
+        if device is None:
+            if not await self.starter.could_ever_fit(record):
+                raise Rejected(f"no device can hold {name!r}'s model (it is larger than every pool)", 5.0)
+            return  # other functions' instances are busy: wait for one to go idle (or the deadline)
         if should_reject(expected + self.config.handover_s, left):
             raise Rejected(
                 f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
@@ -223,6 +229,37 @@ class Router:
         instance_id = await on_loop(lambda retry: self.state.scale_up(name, want, device, retry=retry))
         if instance_id is not None:
             self._spawn(self.starter.start(instance_id, name, record, device, deadline))
+
+    async def _reclaim(self, name: str, record: FunctionRecord) -> tuple[str | None, float]:
+        """Make room for ``name``'s model on this router's devices by stopping idle instances
+        of other functions, the longest idle first, until it can be placed; returns the
+        placement then (None: still no room). A keep-alive promises a quick next request, not
+        memory that a request waiting now needs: an idle instance's weights stay resident
+        (unpinned, so the pool evicts only what the new model needs), minScale instances stay,
+        and so do busy ones, which the waiting request waits for instead."""
+        async with self._reclaiming:  # one at a time: concurrent waiters would stop too much
+            device, expected = await self.starter.place(record)  # another waiter made room
+            if device is not None:
+                return device, expected
+            mine = sorted(self.launcher.devices())
+            records = await asyncio.to_thread(self.state.functions)
+            idle: list[tuple[float, str, int]] = []  # (keep-alive deadline, function, minScale)
+            for other, other_record in records.items():
+                if other == name:
+                    continue
+                for inst in await asyncio.to_thread(self.state.instances, other):
+                    if inst.state == "ready" and inst.in_flight == 0 and inst.device in mine:
+                        idle.append((inst.deadline, other, other_record.scaling.min_scale))
+            for _, other, min_scale in sorted(idle):
+                # Past every deadline: the state's atomic expiry drains them as if timed out.
+                now = time.time() + _FAR_FUTURE_S
+                for instance_id in await asyncio.to_thread(self.state.expire, other, min_scale, now, mine):
+                    log.info("stopping idle instance %s of %s: %s needs its memory", instance_id, other, name)
+                    await self._drain(other, instance_id)
+                device, expected = await self.starter.place(record)
+                if device is not None:
+                    return device, expected
+            return None, math.inf
 
     # ----- reconcile ------------------------------------------------------------------------
 
