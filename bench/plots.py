@@ -30,9 +30,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.pyplot as plt
 
-from bench import plots_tangram  # noqa: E402
+from bench import plots_tangram
 
 MiB = 1 << 20
 POLICY_COLORS = {"iam": "#d62728", "lru": "#1f77b4", "lfu": "#2ca02c", "arc": "#9467bd", "srrip": "#ff7f0e"}
@@ -73,7 +73,9 @@ def plot_trace(data: dict[str, Any], out: Path) -> list[Path]:
     """mCache's policy comparison on Ember, and cold starts / SLO per configuration."""
     configs = data["configs"]
     ws = data["zoo"]["working_set_bytes"] / MiB
-    title = f"{len(data['zoo']['models'])} functions, working set {ws:.0f} MiB, {configs[0]['requests']} requests"
+    title = (
+        f"{len(data['zoo']['models'])} functions, working set {ws:.0f} MiB, {configs[0]['requests']} requests"
+    )
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     panels = [
         ("hit_ratio", 1.0, "cold starts with the model resident"),
@@ -93,7 +95,8 @@ def plot_trace(data: dict[str, Any], out: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, (key, label) in zip(
-        axes, [("cold_start_rate", "instance starts per request"), ("slo_attainment", "requests within the SLO")],
+        axes,
+        [("cold_start_rate", "instance starts per request"), ("slo_attainment", "requests within the SLO")],
         strict=True,
     ):
         _grouped(ax, configs, key)

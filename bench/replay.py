@@ -42,19 +42,20 @@ MAX_CONCURRENT = 64  # requests in flight at once from the replayer (more are qu
 REQUEST_TIMEOUT_S = 300.0
 # Public-domain words (Alice's Adventures in Wonderland, ch. 1): ~1 token each with the
 # SmolLM2 tokenizer, so a prompt of N words is about N prompt tokens plus the chat template.
-_WORDS = (
+_TEXT = (
     "Alice was beginning to get very tired of sitting by her sister on the bank and of having "
     "nothing to do once or twice she had peeped into the book her sister was reading but it had "
     "no pictures or conversations in it and what is the use of a book thought Alice without "
     "pictures or conversations"
-).split()
+)
 
 
 def prompt_text(num_tokens: int, salt: int) -> str:
     """About ``num_tokens`` words of text, starting at a place given by ``salt`` (so two
     requests do not share a long prefix, which would hit the prefix cache)."""
-    start = salt % len(_WORDS)
-    words = [_WORDS[(start + i) % len(_WORDS)] for i in range(max(1, num_tokens))]
+    vocabulary = _TEXT.split(" ")
+    start = salt % len(vocabulary)
+    words = [vocabulary[(start + i) % len(vocabulary)] for i in range(max(1, num_tokens))]
     return f"Request {salt}: " + " ".join(words)
 
 
@@ -140,11 +141,14 @@ class Replay:
         while True:
             devices = list(self.cluster()["devices"].values())
             if devices and all(
-                int(d.get("warm_workers", 0)) >= prewarm and not int(d.get("starting_workers", 0)) for d in devices
+                int(d.get("warm_workers", 0)) >= prewarm and not int(d.get("starting_workers", 0))
+                for d in devices
             ):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{prewarm} pre-warmed workers not ready after {timeout_s:.0f} s: {devices}")
+                raise TimeoutError(
+                    f"{prewarm} pre-warmed workers not ready after {timeout_s:.0f} s: {devices}"
+                )
             time.sleep(0.2)
 
     def run(self, trace: Trace, functions: list[str]) -> ReplayResult:

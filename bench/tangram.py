@@ -383,8 +383,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--figure", type=int, choices=(10, 12), required=True)
     parser.add_argument("--quick", action="store_true", help="scaled-down models and fewer requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="append the JSON line to this file too")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.figure, args.quick, args.seed)))
+    text = json.dumps(run(args.figure, args.quick, args.seed))
+    print(text)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -103,11 +103,15 @@ def score(result: ReplayResult, slo: SloSpec) -> dict[str, Any]:
         "ttft_ms_p99": round(pct(ttfts, 0.99), 1) if ttfts else None,
         "slo_attainment": round(sum(map(within_slo, reqs)) / len(reqs), 4) if reqs else None,
         "wall_s": round(result.wall_s, 1),
-        "pool": {k: result.pool.get(k) for k in ("bytes_loaded", "bytes_reused", "bytes_moved", "capacity_bytes")},
+        "pool": {
+            k: result.pool.get(k) for k in ("bytes_loaded", "bytes_reused", "bytes_moved", "capacity_bytes")
+        },
     }
 
 
-def run_config(zoo: Zoo, trace: Trace, order: list[str], policy: str, capacity: float, work: Path) -> dict[str, Any]:
+def run_config(
+    zoo: Zoo, trace: Trace, order: list[str], policy: str, capacity: float, work: Path
+) -> dict[str, Any]:
     """Replay ``trace`` on a fresh ``ember serve`` with ``policy`` and ``capacity``."""
     arena = arena_bytes(zoo, capacity)
     env = {"EMBER_ARENA": str(arena), "EMBER_POOL_IMPORTANCE": policy, "EMBER_PREWARM": str(PREWARM)}
@@ -132,19 +136,28 @@ def best_baseline(configs: list[dict[str, Any]]) -> dict[str, Any]:
         others = {p: c["hit_ratio"] or 0.0 for p, c in at.items() if p != "iam"}
         best = max(others, key=lambda p: others[p])
         iam = at["iam"]["hit_ratio"] or 0.0
-        out[str(capacity)] = {"iam": iam, "best_baseline": best, "best_hit_ratio": others[best], "iam_ge_best": iam >= others[best]}
+        out[str(capacity)] = {
+            "iam": iam,
+            "best_baseline": best,
+            "best_hit_ratio": others[best],
+            "iam_ge_best": iam >= others[best],
+        }
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI smoke test: quick zoo, 2 policies, 1 capacity")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI smoke test: quick zoo, 2 policies, 1 capacity"
+    )
     parser.add_argument("--policies", default=None, help=f"comma-separated (default {','.join(POLICIES)})")
     parser.add_argument("--capacities", default=None, help="comma-separated fractions (default 0.4,0.6,0.8)")
     parser.add_argument("--requests", type=int, default=None, help="arrivals in the trace")
     parser.add_argument("--duration", type=float, default=None, help="replay seconds")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--zoo-root", type=Path, default=None, help="default $EMBER_ZOO_DIR or ~/.cache/ember/zoo/PROFILE")
+    parser.add_argument(
+        "--zoo-root", type=Path, default=None, help="default $EMBER_ZOO_DIR or ~/.cache/ember/zoo/PROFILE"
+    )
     parser.add_argument("--out", type=Path, default=None, help="append the JSON line to this file too")
     args = parser.parse_args()
     profile = "quick" if args.quick else "full"
@@ -176,7 +189,9 @@ def main() -> None:
         "profile": profile,
         "zoo": {
             "working_set_bytes": zoo.working_set_bytes,
-            "models": [{"name": m.name, "dtype": m.dtype, "family": m.family, "nbytes": m.nbytes} for m in zoo.models],
+            "models": [
+                {"name": m.name, "dtype": m.dtype, "family": m.family, "nbytes": m.nbytes} for m in zoo.models
+            ],
         },
         "popularity_order": order,
         "trace": {"config": asdict(config), "summary": summary(trace)},

@@ -33,6 +33,10 @@ class AgentConfig:
     # start (or a crash's replacement) then finds no worker. Still starting after this long,
     # it competes normally (seconds of shared cores, once, instead of an unbounded wait).
     prewarm_idle_limit_s: float = 5.0
+    # Worker processes starting at once. A start is CPU-bound (imports): several started
+    # together on a small node all finish late (four on 2 cores: ~13 s each), one at a time
+    # the first is ready in a fraction of that, and a launch waits only for the first.
+    parallel_starts: int = 1
     worker_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger requests get 413 at the worker
     backoff: BackoffConfig = field(default_factory=BackoffConfig)  # failing worker starts
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
@@ -48,6 +52,8 @@ class AgentConfig:
             raise ValueError("replenish_delay_s must be >= 0")
         if self.prewarm_idle_limit_s <= 0:
             raise ValueError("prewarm_idle_limit_s must be > 0")
+        if self.parallel_starts < 1:
+            raise ValueError("parallel_starts must be >= 1")
         if self.prewarm < 0:
             raise ValueError("prewarm must be >= 0")
         if not 0 <= self.standby <= 64 or not self.standby_ttl_s > 0:

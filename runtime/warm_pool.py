@@ -15,7 +15,9 @@ launch fails at once with the last error while the next try waits. A worker star
 ``SCHED_IDLE`` and leaves it when a launch waits for it or after ``prewarm_idle_limit_s``
 (a steady load would starve it for good). Workers that mapped a
 pool's arena before that pool died are *stale*: :meth:`~WarmPool.replace_stale` swaps them
-for fresh ones once the pool is back.
+for fresh ones once the pool is back. At most ``parallel_starts`` processes start at once (the
+pool's own starts before a standby's spare): a launch waiting for a worker gets the first one
+ready sooner than if every replacement shared the cores.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class WarmPool:
         self._templates: set[str] = set()  # model directories every new worker preloads
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stale: set[int] = set()  # pids of pre-warmed workers that mapped a dead arena
+        self._start_slots = asyncio.Semaphore(config.parallel_starts)  # processes starting at once
         self.backoff = SpawnBackoff(config.backoff)
         self.spawn_errors: list[str] = []  # the last few start failures (bounded)
 
@@ -130,8 +133,9 @@ class WarmPool:
             if delay_s:  # cut short when a request is already waiting for a worker
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._urgent.wait(), delay_s)
-            preloaded = set(self._templates)
-            worker = await self._start_worker()
+            async with self._start_slots:
+                preloaded = set(self._templates)
+                worker = await self._start_worker()
             for model_dir in sorted(self._templates - preloaded):  # deployed while it started
                 resp = await self._http.post(worker, "preload", PreloadMessage(model_dir).to_json())
                 if resp.status != 200:
@@ -259,7 +263,10 @@ class WarmPool:
         :class:`LaunchError` when it fails to start."""
         self._spares += 1
         try:
-            return await self._start_worker()
+            while self._pending_spawns:  # the pool's own starts first: launches wait for those
+                await asyncio.sleep(0.2)
+            async with self._start_slots:
+                return await self._start_worker()
         finally:
             self._spares -= 1
 

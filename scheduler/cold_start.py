@@ -99,7 +99,9 @@ class ColdStarter:
             return False
         reports = await on_loop(self.state.device_reports)
         return any(
-            (r := reports.get(device_id)) is None or not r.capacity_bytes or r.capacity_bytes >= model.weight_bytes
+            (r := reports.get(device_id)) is None
+            or not r.capacity_bytes
+            or r.capacity_bytes >= model.weight_bytes
             for device_id in self.launcher.devices()
         )
 

@@ -14,7 +14,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,7 +34,12 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
 def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("home")
     subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
-    env = {"EMBER_ARENA": "8MiB", "EMBER_PREWARM": "2", "EMBER_STANDBY": "0", "EMBER_MODEL_ROOTS": str(zoo.root)}
+    env = {
+        "EMBER_ARENA": "8MiB",
+        "EMBER_PREWARM": "2",
+        "EMBER_STANDBY": "0",
+        "EMBER_MODEL_ROOTS": str(zoo.root),
+    }
     proc = ServeProcess(home, env=env)
     try:
         with httpx.Client(base_url=proc.url, timeout=60) as http:

@@ -176,3 +176,27 @@ def test_backoff_doubles_up_to_its_cap_and_resets_on_success() -> None:
     backoff.succeeded()
     assert backoff.report() == {"worker_failures": 0, "backoff_s": 0.0, "last_worker_error": None}
     assert backoff.failed("again") == 1
+
+
+def test_workers_start_one_at_a_time(tmp_path: Path) -> None:
+    """Three pre-warmed workers start one after another (parallel_starts=1): started together
+    on two cores they would all be ready late, and a waiting launch needs only the first."""
+    from bench.procs import child_pids
+
+    async def scenario() -> None:
+        agent = NodeAgent(agent_config(tmp_path / "home", prewarm=3))
+        most = 0
+        try:
+            await agent.start()
+            deadline = time.monotonic() + 180
+            while len(agent.warm()) < 3:
+                assert time.monotonic() < deadline, f"no 3 warm workers: {agent.spawn_errors}"
+                ready = {pid for pid, _ in agent.warm()}
+                starting = set(child_pids(os.getpid(), "-m runtime")) - ready
+                most = max(most, len(starting))
+                await asyncio.sleep(0.02)
+        finally:
+            await agent.close()
+        assert most == 1
+
+    asyncio.run(scenario())
