@@ -211,18 +211,6 @@ class PoolClient:
         """Views into the arena of ``manifest``'s tensors at ``placements`` (from an acquire)."""
         return {e.name: self.view(placements[e.name], e.dtype, e.shape) for e in manifest.tensors}
 
-    def populate(self, manifest: Manifest, placements: dict[str, int]) -> str | None:
-        """Enter the pages of ``manifest``'s tensors at ``placements`` into this process's page
-        tables (CPU arenas; see :func:`gpu_pool.arena.mapping.populate_read`): work a standby
-        does ahead so the first forward pass of its instance takes no page faults. The pages
-        stay mapped whatever the pool later moves (they are the arena file's pages, which the
-        pool never frees). Returns None, or why the kernel refused."""
-        arena = self.arena()
-        if arena.device.type != "cpu":
-            return None
-        ranges = [(placements[e.name], e.nbytes) for e in manifest.tensors]
-        return mapping.populate_read(arena.data_ptr(), arena.numel(), ranges)
-
     def release(self) -> None:
         """Unpin everything this session acquired and free its KV blocks; tensors stay resident."""
         self._call("release")

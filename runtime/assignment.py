@@ -206,7 +206,6 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             # come. The pool fails it with NotResident instead.
             placements = client.acquire_placements(template.manifest, access=False)
             binding = bind_at(template, client, placements, message.max_tokens, message.kv_quota_bytes)
-            client.populate(template.manifest, placements)  # the first prefill takes no page faults
             client.release()  # pins nothing while it waits: the pool may evict or move the model
             return binding, client, placements
         except BaseException:

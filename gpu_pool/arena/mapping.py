@@ -3,13 +3,12 @@ at pool offsets, and the hang-up watch of a session's socket (see :mod:`gpu_pool
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
 import select
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu_pool.errors import ProtocolError
@@ -44,39 +43,6 @@ def map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
         # The arena is read-only on purpose (weights); torch warns about exactly that.
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         return torch.frombuffer(buf, dtype=torch.uint8)
-
-
-MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module (3.11)
-POPULATE_GAP = 2 << 20  # ranges closer than this are populated in one call (gap pages included)
-
-
-def populate_read(base_ptr: int, size: int, ranges: Iterable[tuple[int, int]]) -> str | None:
-    """Map the pages of ``ranges`` ((offset, nbytes) in a mapping of ``size`` bytes at
-    ``base_ptr``) into this process's page tables now, without touching their bytes.
-
-    A fresh mapping of the arena takes a page fault per 64 KiB (fault-around) on first use:
-    ~4,300 faults and 7-30 ms for a 270 MB model's first forward pass on this machine. Done
-    ahead (a standby's preparation), the first prefill after a cold start pays none of it.
-    Returns None, or why the kernel refused (``EINVAL`` before Linux 5.14: nothing is lost
-    but the head start). Releases the GIL (a ctypes call)."""
-    spans: list[list[int]] = []
-    for offset, nbytes in sorted(ranges):
-        if nbytes <= 0:
-            continue
-        if offset < 0 or offset + nbytes > size:
-            raise ValueError(f"range {offset}+{nbytes} is outside the mapping of {size} bytes")
-        if spans and offset <= spans[-1][1] + POPULATE_GAP:
-            spans[-1][1] = max(spans[-1][1], offset + nbytes)
-        else:
-            spans.append([offset, offset + nbytes])
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    page = mmap.PAGESIZE
-    for start, end in spans:
-        aligned = start - start % page  # madvise wants a page-aligned address
-        if madvise(base_ptr + aligned, end - aligned, MADV_POPULATE_READ) != 0:
-            return os.strerror(ctypes.get_errno())
-    return None
 
 
 class Views:
