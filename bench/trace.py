@@ -48,7 +48,12 @@ from scheduler.spec import SloSpec
 
 POLICIES = ("iam", "lru", "lfu", "arc", "srrip")
 CAPACITIES = (0.4, 0.6, 0.8)
-PREWARM = 4  # pre-warmed workers (Ember's default is 2): a burst of cold starts of several functions
+# Pre-warmed workers (Ember's default is 2): a burst of cold starts of several functions takes
+# one each, and a replacement's process start (~2.5 s of CPU, far more beside busy instances on
+# 2 cores) is not what the policies are compared on. Standbys (default 2) are off for the same
+# reason: each expiry would start one more process on the same cores.
+PREWARM = 6
+STANDBY = 0
 KEEP_ALIVE_S = 2.0  # the functions' keep-alive: Azure's 20 minutes, compressed by TIME_SCALE
 TIME_SCALE = AZURE_KEEP_ALIVE_S / KEEP_ALIVE_S  # trace seconds per replay second (600)
 ARENA_ALIGN = 1 << 20
@@ -114,7 +119,12 @@ def run_config(
 ) -> dict[str, Any]:
     """Replay ``trace`` on a fresh ``ember serve`` with ``policy`` and ``capacity``."""
     arena = arena_bytes(zoo, capacity)
-    env = {"EMBER_ARENA": str(arena), "EMBER_POOL_IMPORTANCE": policy, "EMBER_PREWARM": str(PREWARM)}
+    env = {
+        "EMBER_ARENA": str(arena),
+        "EMBER_POOL_IMPORTANCE": policy,
+        "EMBER_PREWARM": str(PREWARM),
+        "EMBER_STANDBY": str(STANDBY),
+    }
     t0 = time.perf_counter()
     with Replay(zoo, work / f"{policy}-{capacity}", env, f"{KEEP_ALIVE_S:g}s") as replay:
         replay.deploy(zoo.models)
@@ -173,10 +183,10 @@ def main() -> None:
     zoo = build(args.zoo_root or default_root(profile), profile)
     config = TraceConfig(
         num_functions=len(zoo.models),
-        num_requests=args.requests or (24 if args.quick else 160),
-        duration_s=args.duration or (20.0 if args.quick else 150.0),
-        max_tokens=(2, 8),
-        prompt_tokens=(8, 64),
+        num_requests=args.requests or (24 if args.quick else 80),
+        duration_s=args.duration or (20.0 if args.quick else 90.0),
+        max_tokens=(2, 4),
+        prompt_tokens=(8, 32),
         seed=args.seed,
         time_scale=TIME_SCALE,
     )
