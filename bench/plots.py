@@ -7,6 +7,8 @@ Reads the newest line of each benchmark's file under ``--data`` (default
 * ``trace.jsonl`` (``bench.trace``): ``trace_policies.png`` (mCache Table 3 / Fig. 9 on Ember:
   hit ratio, mean start time, TTFT p99 and throughput per policy and capacity) and
   ``trace_slo.png`` (cold-start rate and SLO attainment per configuration);
+* ``trace_pool.jsonl`` (``bench.trace_pool``): ``trace_pool_hits.png``, the same policies and
+  capacities under one fixed sequence of instance starts on the pool alone;
 * ``tangram_fig10.jsonl`` (``bench.tangram --figure 10``): ``tangram_fig10.png``, the
   Compute / Merge / Load breakdown per loading policy;
 * ``tangram_fig12.jsonl`` (``bench.tangram --figure 12``): ``tangram_fig12.png``, load time
@@ -110,8 +112,32 @@ def plot_trace(data: dict[str, Any], out: Path) -> list[Path]:
     return [first, second]
 
 
+def plot_trace_pool(data: dict[str, Any], out: Path) -> list[Path]:
+    """The policies under one fixed acquire sequence (bench.trace_pool): hit ratios and bytes."""
+    configs = data["configs"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("hit_ratio", 1.0, "starts with the model resident"),
+        ("byte_hit_ratio", 1.0, "bytes reused / bytes needed"),
+        ("bytes_loaded", 1 / MiB / 1024, "GiB loaded"),
+    ]
+    for ax, (key, scale, label) in zip(axes, panels, strict=True):
+        _grouped(ax, configs, key, scale)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"Policies on the pool alone, one sequence of {data['starts']} instance starts from the same trace"
+    )
+    fig.tight_layout()
+    path = out / "trace_pool_hits.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Path], list[Path]]]] = {
     "trace.jsonl": ("trace", plot_trace),
+    "trace_pool.jsonl": ("trace_pool", plot_trace_pool),
     "tangram_fig10.jsonl": ("tangram", plots_tangram.plot_fig10),
     "tangram_fig12.jsonl": ("tangram", plots_tangram.plot_fig12),
     "zoo_dedup.jsonl": ("zoo", plots_tangram.plot_dedup),

@@ -3,9 +3,12 @@
 :meth:`Router.route` gives a request a ready instance with spare concurrency. When there is
 none it scales up by concurrency (``ceil((in-flight + waiting) / concurrency)`` within
 minScale..maxScale), placing the new instance with Tangram Alg. 2 / Eq. 3 over the devices'
-live residency, and waits for an instance to free up or become ready. A request that cannot
-start before its deadline is rejected early (TIDAL): :class:`Rejected` becomes HTTP 503 with
-``Retry-After``. :meth:`Router.reconcile` runs every tick: instances idle past their
+live residency, and waits for an instance to free up or become ready. When the model fits on
+no device beside what other functions' instances pin, idle ones of those are stopped, longest
+idle first (:meth:`Router._reclaim`: their weights stay resident, only what the new model
+needs is evicted); busy ones are waited for. A request that cannot start before its deadline
+is rejected early (TIDAL), as is a model larger than every pool: :class:`Rejected` becomes
+HTTP 503 with ``Retry-After``. :meth:`Router.reconcile` runs every tick: instances idle past their
 keep-alive drain and stop (their tensors stay resident), dead workers are forgotten,
 minScale is kept, and the devices' pool stats are re-reported. Every state change goes
 through :class:`ClusterState`'s atomic scripts, so several gateways never double-start or
