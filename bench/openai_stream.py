@@ -13,6 +13,7 @@ batch-1 decode rate and the aggregate rate of concurrent streams.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import threading
@@ -36,9 +37,13 @@ def http_client(timeout: float = 300.0) -> httpx.Client:
 
 
 def pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..1) of a non-empty sequence."""
+    """Nearest-rank percentile (``q`` in 0..1) of a non-empty sequence: the smallest value at
+    least ``q`` of the values are at or below (p99 of fewer than 100 values is their maximum;
+    rounding ``q * (n - 1)`` instead gave the second largest of 80, under-stating the tail)."""
+    if not values or not 0.0 <= q <= 1.0:
+        raise ValueError("pct needs a non-empty sequence and q in [0, 1]")
     ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,17 +180,19 @@ class Replay:
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         futures = []
-        with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
-            for index, arrival in enumerate(trace.arrivals):
-                delay = arrival.t_s - (time.perf_counter() - t0)
-                if delay > 0:
-                    time.sleep(delay)
-                futures.append(pool.submit(self._one, index, arrival, functions[arrival.function], t0))
-            results = [f.result() for f in futures]
-        wall = time.perf_counter() - t0
-        time.sleep(2 * POLL_S)  # the last instances' records
-        stop.set()
-        poller.join()
+        try:
+            with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
+                for index, arrival in enumerate(trace.arrivals):
+                    delay = arrival.t_s - (time.perf_counter() - t0)
+                    if delay > 0:
+                        time.sleep(delay)
+                    futures.append(pool.submit(self._one, index, arrival, functions[arrival.function], t0))
+                results = [f.result() for f in futures]
+            wall = time.perf_counter() - t0
+            time.sleep(2 * POLL_S)  # the last instances' records
+        finally:  # also on an error: the poller must not outlive the replay (or its server)
+            stop.set()
+            poller.join()
         # From the pool itself: device reports are up to a second old.
         return ReplayResult(tuple(results), tuple(seen.values()), wall, read_stats(self.server.pool_socket))
 

@@ -42,7 +42,15 @@ from typing import Any
 
 from bench.openai_stream import pct
 from bench.replay import Replay, ReplayResult
-from bench.workload import AZURE_KEEP_ALIVE_S, Trace, TraceConfig, generate, summary
+from bench.workload import (
+    AZURE_KEEP_ALIVE_S,
+    MAX_DURATION_S,
+    MAX_REQUESTS,
+    Trace,
+    TraceConfig,
+    generate,
+    summary,
+)
 from bench.zoo import Zoo, build, default_root
 from scheduler.spec import SloSpec
 
@@ -155,7 +163,15 @@ def best_baseline(configs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def _csv(parser: argparse.ArgumentParser, flag: str, text: str) -> list[str]:
+    """A comma-separated list without empty or repeated items (parser.error otherwise)."""
+    items = [item.strip() for item in text.split(",")]
+    if any(not item for item in items) or len(set(items)) != len(items):
+        parser.error(f"{flag} {text!r}: expected distinct comma-separated values")
+    return items
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="CI smoke test: quick zoo, 2 policies, 1 capacity"
@@ -169,22 +185,35 @@ def main() -> None:
         "--zoo-root", type=Path, default=None, help="default $EMBER_ZOO_DIR or ~/.cache/ember/zoo/PROFILE"
     )
     parser.add_argument("--out", type=Path, default=None, help="append the JSON line to this file too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     profile = "quick" if args.quick else "full"
-    policies = (args.policies or ("iam,lru" if args.quick else ",".join(POLICIES))).split(",")
+    default_policies = "iam,lru" if args.quick else ",".join(POLICIES)
+    policies = _csv(parser, "--policies", default_policies if args.policies is None else args.policies)
     for p in policies:
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
-    capacities = [float(c) for c in (args.capacities or ("0.6" if args.quick else "0.4,0.6,0.8")).split(",")]
+    default_capacities = "0.6" if args.quick else "0.4,0.6,0.8"
+    capacities_text = default_capacities if args.capacities is None else args.capacities
+    try:
+        capacities = [float(c) for c in _csv(parser, "--capacities", capacities_text)]
+    except ValueError:
+        parser.error(f"--capacities {capacities_text!r}: expected fractions such as 0.4,0.6")
     if any(not 0 < c <= 1 for c in capacities):
         parser.error("capacities are fractions in (0, 1]")
+    # Given values are checked, not replaced: 0 used to fall back to the default silently.
+    if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
+        parser.error(f"--requests must be in [1, {MAX_REQUESTS}]")
+    if args.duration is not None and not 1.0 <= args.duration <= MAX_DURATION_S:
+        parser.error(f"--duration must be in [1, {MAX_DURATION_S:g}] seconds")
+    if args.seed < 0:
+        parser.error("--seed must be >= 0")
 
     t0 = time.perf_counter()
     zoo = build(args.zoo_root or default_root(profile), profile)
     config = TraceConfig(
         num_functions=len(zoo.models),
-        num_requests=args.requests or (24 if args.quick else 80),
-        duration_s=args.duration or (20.0 if args.quick else 90.0),
+        num_requests=args.requests if args.requests is not None else (24 if args.quick else 80),
+        duration_s=args.duration if args.duration is not None else (20.0 if args.quick else 90.0),
         max_tokens=(2, 4),
         prompt_tokens=(8, 32),
         seed=args.seed,

@@ -168,7 +168,10 @@ class Trace:
         """A trace from :meth:`to_json`'s encoding; ``ValueError`` naming what is wrong."""
         if len(text) > MAX_TRACE_JSON:
             raise ValueError(f"trace JSON longer than {MAX_TRACE_JSON} characters")
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:  # nested deeper than the parser's stack: no trace is
+            raise ValueError("trace JSON: nested too deeply") from None
         if not isinstance(data, dict) or set(data) != {"v", "config", "arrivals"}:
             raise ValueError("trace JSON: expected a map with keys v, config, arrivals")
         if type(data["v"]) is not int or data["v"] != TRACE_VERSION:

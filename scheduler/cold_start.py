@@ -8,9 +8,13 @@ the record and is remembered per function (:meth:`~ColdStarter.failure`): the re
 for it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. A
 launch the device had no room for (:data:`scheduler.launcher.NO_ROOM`: the placement read a
 report older than other starts' pins) is not the function's failure: the waiting requests
-place again on a fresh report. An
-instance deleted while it started is stopped; one that cannot be recorded ready (Redis away
-too long) is stopped too, so no worker runs that nobody can route to.
+place again on a fresh report, at once the first time. The pool can refuse again while the
+report says there is room (free space cut into pieces by pinned tensors and KV blocks, which
+never move): each refusal in a row doubles the pause before the next try
+(:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs a
+pre-warmed worker process. An instance deleted while it started is stopped; one that cannot
+be recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can
+route to.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from scheduler.errors import SchedulerError, StartFailed, StateConflict
 from scheduler.launcher import NO_ROOM, BaseLauncher, StartedInstance
@@ -30,6 +34,7 @@ from scheduler.state import ClusterState, on_loop
 log = logging.getLogger("ember.scheduler")
 
 DEFAULT_DISK_BANDWIDTH = 2e9  # bytes/s assumed for a device whose pool measured no load yet
+NO_ROOM_PAUSE_S = 0.25  # the pause after a second refusal for room in a row (doubling after)
 
 
 class ColdStarter:
@@ -52,6 +57,7 @@ class ColdStarter:
         self.on_start = on_start
         self._failures: dict[str, tuple[float, str]] = {}  # name -> (epoch s, why) of its last failed start
         self._launching: set[str] = set()  # instance ids whose start this gateway is running
+        self._no_room: dict[str, tuple[float, int]] = {}  # name -> (monotonic s, refusals in a row)
 
     def failure(self, name: str) -> tuple[float, str] | None:
         """When (epoch seconds) and why the last start of ``name`` failed (None once one succeeds)."""
@@ -62,13 +68,27 @@ class ColdStarter:
         failed = self._failures.get(name)
         return failed is not None and time.time() - failed[0] < self.start_backoff_s
 
+    def room_pause_s(self, name: str) -> float:
+        """Seconds before the next start of ``name`` may try after its pool refused it for room
+        (see the module docstring); 0.0 when it may try now."""
+        refused = self._no_room.get(name)
+        if refused is None or refused[1] < 2:
+            return 0.0
+        pause = min(self.start_backoff_s, NO_ROOM_PAUSE_S * 2.0 ** (refused[1] - 2))
+        return max(0.0, refused[0] + pause - time.monotonic())
+
     def launching(self, instance_id: str) -> bool:
         """Whether this gateway is starting ``instance_id`` now."""
         return instance_id in self._launching
 
-    async def place(self, record: FunctionRecord) -> tuple[str | None, float]:
+    async def place(
+        self, record: FunctionRecord, unpinned: Mapping[str, set[str]] | None = None
+    ) -> tuple[str | None, float]:
         """The device to start an instance of ``record`` on (None: none can hold its model now)
-        and the start time Eq. 3 expects there."""
+        and the start time Eq. 3 expects there. ``unpinned`` (device -> model ids): place as if
+        the instances pinning those models there were stopped: their resident bytes evictable,
+        and the device's KV blocks free (an upper bound: the report does not say which
+        sessions hold them)."""
         model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
@@ -79,11 +99,13 @@ class ColdStarter:
             if r is None:  # not reported yet: assume an empty device of unknown size
                 devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
+            models = (unpinned or {}).get(device_id)
+            freed = 0 if models is None else r.kv_bytes + sum(r.resident_bytes.get(m, 0) for m in models)
             devices.append(
                 DeviceState(
                     device_id,
                     free_bytes=r.free_bytes,
-                    evictable_bytes=r.evictable_bytes,
+                    evictable_bytes=r.evictable_bytes + freed,
                     resident_bytes=dict(r.resident_bytes),
                     disk_bandwidth=r.load_bandwidth if r.load_bandwidth > 0 else DEFAULT_DISK_BANDWIDTH,
                 )
@@ -131,7 +153,9 @@ class ColdStarter:
         except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
             no_room = getattr(exc, "code", None) == NO_ROOM
             log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
-            if not no_room:  # no room is the device's state, not the function's fault
+            if no_room:  # the device's state, not the function's fault; but see room_pause_s
+                self._no_room[name] = (time.monotonic(), self._no_room.get(name, (0.0, 0))[1] + 1)
+            else:
                 self._failures[name] = (time.time(), str(exc))
             await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
             if no_room:  # the placement read an old report: the waiting requests place again
@@ -160,6 +184,7 @@ class ColdStarter:
             self._notify(name)
             return
         self._failures.pop(name, None)
+        self._no_room.pop(name, None)
         if self.on_start is not None:
             self.on_start(name, started)
         self._notify(name)

@@ -218,12 +218,15 @@ class Router:
                 if should_reject(wait, left):
                     raise Rejected(f"{name!r} is at maxScale and busy; expected wait {wait:.1f} s", wait)
             return
+        if self.starter.room_pause_s(name) > 0:
+            return  # its pool refused it for room again and again: wait (see ColdStarter)
         device, expected = await self.starter.place(record)
         if device is None:
-            device, expected = await self._reclaim(name, record)
-        if device is None:
+            # Before stopping anything: no instance of any function frees room for it.
             if not await self.starter.could_ever_fit(record):
                 raise Rejected(f"no device can hold {name!r}'s model (it is larger than every pool)", 5.0)
+            device, expected = await self._reclaim(name, record)
+        if device is None:
             return  # other functions' instances are busy: wait for one to go idle (or the deadline)
         if should_reject(expected + self.config.handover_s, left):
             raise Rejected(
@@ -239,7 +242,10 @@ class Router:
         placement then (None: still no room). A keep-alive promises a quick next request, not
         memory that a request waiting now needs: an idle instance's weights stay resident
         (unpinned, so the pool evicts only what the new model needs), minScale instances stay,
-        and so do busy ones, which the waiting request waits for instead."""
+        and so do busy ones, which the waiting request waits for instead. Nothing is stopped
+        unless stopping every idle candidate would make room: while busy instances hold too
+        much, stopping idle ones gains nothing (a waiting request would otherwise stop every
+        other function's instance the moment it went idle, however long it waits)."""
         async with self._reclaiming:  # one at a time: concurrent waiters would stop too much
             device, expected = await self.starter.place(record)  # another waiter made room
             if device is not None:
@@ -247,12 +253,27 @@ class Router:
             mine = sorted(self.launcher.devices())
             records = await asyncio.to_thread(self.state.functions)
             idle: list[tuple[float, str, int]] = []  # (keep-alive deadline, function, minScale)
+            freed: dict[str, set[str]] = {}  # device -> models the idle candidates pin
+            kept: dict[str, set[str]] = {}  # device -> models the instances that stay pin
             for other, other_record in records.items():
-                if other == name:
-                    continue
-                for inst in await asyncio.to_thread(self.state.instances, other):
-                    if inst.state == "ready" and inst.in_flight == 0 and inst.device in mine:
-                        idle.append((inst.deadline, other, other_record.scaling.min_scale))
+                instances = await asyncio.to_thread(self.state.instances, other)
+                min_scale = other_record.scaling.min_scale
+                live = sum(i.state in ("starting", "ready") for i in instances)
+                model = other_record.model.model_id if other_record.model is not None else ""
+                stoppable = other != name and live > min_scale
+                for inst in instances:
+                    if inst.device not in mine:
+                        continue
+                    if stoppable and inst.state == "ready" and inst.in_flight == 0:
+                        idle.append((inst.deadline, other, min_scale))
+                        freed.setdefault(inst.device, set())  # its KV blocks, at least
+                        if min_scale == 0:  # else some stay, pinning the model: which ones is not known
+                            freed[inst.device].add(model)
+                            continue
+                    kept.setdefault(inst.device, set()).add(model)
+            unpinned = {d: models - kept.get(d, set()) for d, models in freed.items()}
+            if not idle or (await self.starter.place(record, unpinned))[0] is None:
+                return None, math.inf  # not even with every idle candidate stopped: wait
             for _, other, min_scale in sorted(idle):
                 # Past every deadline: the state's atomic expiry drains them as if timed out.
                 now = time.time() + _FAR_FUTURE_S
@@ -328,6 +349,8 @@ class Router:
         """Start an instance when fewer than minScale are live (not while a failed start backs off)."""
         min_scale = record.scaling.min_scale
         if min_scale == 0 or record.model is None or self.starter.backing_off(name):
+            return
+        if self.starter.room_pause_s(name) > 0:  # its pool keeps refusing it for room
             return
         instances = await asyncio.to_thread(self.state.instances, name)
         if sum(i.state in ("starting", "ready") for i in instances) < min_scale:

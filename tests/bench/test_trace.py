@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from bench.plots import draw
+from bench.replay import Replay
+from bench.trace import main
+from bench.workload import TraceConfig, generate
+from bench.zoo import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,3 +67,42 @@ def test_quick_trace_replays_every_arrival_and_draws_its_figures(tmp_path: Path)
     figures = draw(data, tmp_path / "figures")
     assert sorted(p.name for p in figures) == ["trace_policies.png", "trace_slo.png"]
     assert all(p.stat().st_size > 10_000 for p in figures)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--requests", "0"],  # used to mean the default (80) silently
+        ["--duration", "0"],
+        ["--duration", "nan"],
+        ["--requests", "-3"],
+        ["--capacities", ""],
+        ["--capacities", "0.6,"],
+        ["--capacities", "0.6,0.6"],
+        ["--capacities", "nan"],
+        ["--policies", "iam,iam"],
+        ["--seed", "-1"],
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(argv: list[str], tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")  # a zoo build here fails at once: no argument may get that far
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--zoo-root", str(not_a_dir)])
+    assert info.value.code == 2
+
+
+@pytest.mark.slow
+def test_a_failed_replay_leaves_no_poller_behind(tmp_path: Path) -> None:
+    """An error while sending (here: a trace naming more functions than were given) ends the
+    replay's /v1/cluster poller too, not only its ember serve."""
+    zoo = build(tmp_path / "zoo", "quick")
+    trace = generate(TraceConfig(num_functions=2, num_requests=2, duration_s=1.0))
+
+    def pollers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.endswith("(poll)")]
+
+    env = {"EMBER_PREWARM": "0", "EMBER_STANDBY": "0"}
+    with Replay(zoo, tmp_path / "home", env, "2s") as replay, pytest.raises(IndexError):
+        replay.run(trace, [])
+    assert pollers() == []

@@ -130,6 +130,10 @@ def test_from_json_refuses_bad_traces() -> None:
     for data in (bad_version, unsorted, out_of_range, short, extra):
         with pytest.raises(ValueError):
             Trace.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match="nested too deeply"):  # not RecursionError
+        Trace.from_json("[" * 200_000)
+    with pytest.raises(ValueError):  # not a JSON document at all (JSONDecodeError is one)
+        Trace.from_json("{")
 
 
 @settings(max_examples=40, deadline=None)

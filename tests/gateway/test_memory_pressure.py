@@ -5,7 +5,7 @@ instance of another function holds its model pinned until its keep-alive (60 s h
 out; a request for a second function must not be refused for that (it used to get 503 "no
 device can hold"): the router stops the idle instance, whose weights stay resident and
 evictable, and starts the new one. A busy instance is waited for instead, and a model larger
-than every pool is still refused at once.
+than every pool is still refused at once, without stopping anything first.
 """
 
 from __future__ import annotations
@@ -94,8 +94,15 @@ def test_an_idle_instance_makes_room_and_a_busy_one_is_waited_for(server: ServeP
 def test_a_model_larger_than_every_pool_is_refused_at_once(server: ServeProcess, zoo: Zoo) -> None:
     assert zoo.model("tiny-d-q4").nbytes > 8 << 20
     with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = chat(http, "tiny-a-bf16")
+        assert r.status_code == 200, r.text
+        idle = [i["id"] for i in instances(http)["tiny-a-bf16"]]
+        assert idle
+        time.sleep(0.5)  # past the gateway's slot lease (0.25 s): the instance is idle now
         t0 = time.monotonic()
         r = chat(http, "tiny-d-q4")
         assert r.status_code == 503, r.text
         assert "larger than every pool" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 5
+        # Stopping other functions' idle instances could not have made room: none was stopped.
+        assert [i["id"] for i in instances(http)["tiny-a-bf16"]] == idle

@@ -1,0 +1,226 @@
+"""The router under memory pressure, against a real redis-server: what it stops to make room
+for a cold start, and how often it tries a pool that refuses a start for room.
+
+The launcher keeps one device's books as its pool would (capacity, the models resident, the
+ones running instances pin) and publishes them as the device report placement reads: an
+instance pins its model while it runs, a stopped one leaves it resident and evictable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from scheduler.errors import Rejected
+from scheduler.launcher import NO_ROOM
+from scheduler.records import ModelRef
+from scheduler.router import Router, RouterConfig
+from scheduler.state import ClusterState
+
+DEVICE = "n/cpu"
+
+
+class NoRoomError(RuntimeError):
+    code = NO_ROOM
+
+
+@dataclass(frozen=True)
+class Started:
+    url: str
+    pid: int = 1
+    bytes_loaded: int = 0
+    bytes_reused: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    log_path: str = ""
+    token: str = ""
+
+
+class BookkeepingLauncher:
+    """One device whose pool holds ``capacity`` bytes (see the module docstring); with
+    ``refuse``, the pool refuses every start for room whatever its report says (free space
+    cut into pieces)."""
+
+    def __init__(self, state: ClusterState, capacity: int, refuse: bool = False) -> None:
+        self.state = state
+        self.capacity = capacity
+        self.refuse = refuse
+        self.resident: dict[str, int] = {}  # model id -> bytes
+        self.running: dict[str, str] = {}  # instance id -> model id
+        self.kv: dict[str, int] = {}  # instance id -> bytes of the KV blocks it holds
+        self.launches = 0
+        self.stopped: list[str] = []
+
+    def devices(self) -> list[str]:
+        return [DEVICE]
+
+    def free(self) -> int:
+        return self.capacity - sum(self.resident.values()) - sum(self.kv.values())
+
+    def _make_room(self, model_id: str, size: int) -> bool:
+        if model_id in self.resident:
+            return True
+        pinned = set(self.running.values())
+        for victim in [m for m in self.resident if m not in pinned]:
+            if self.free() >= size:
+                break
+            del self.resident[victim]
+        if self.free() < size:
+            return False
+        self.resident[model_id] = size
+        return True
+
+    async def launch(
+        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+    ) -> Started:
+        self.launches += 1
+        if self.refuse or not self._make_room(model["id"], model["weight_bytes"]):
+            raise NoRoomError(f"no room for {model['id']}")
+        self.running[instance_id] = model["id"]
+        return Started(f"http://127.0.0.1:9/{instance_id}")
+
+    async def stop(self, instance_id: str, standby: bool = False) -> None:
+        self.kv.pop(instance_id, None)
+        if self.running.pop(instance_id, None) is not None:
+            self.stopped.append(instance_id)
+
+    async def retire(self, name: str) -> None:
+        return None
+
+    def alive(self, instance_id: str) -> bool:
+        return instance_id in self.running
+
+    def owns(self, instance_id: str) -> bool:
+        return instance_id in self.running
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        pinned = set(self.running.values())
+        record = {
+            "capacity_bytes": self.capacity,
+            "free_bytes": self.free(),
+            "evictable_bytes": sum(n for m, n in self.resident.items() if m not in pinned),
+            "kv_bytes": sum(self.kv.values()),
+            "models": dict(self.resident),
+            "load_bandwidth": 1e9,
+        }
+        self.state.report_device(DEVICE, record)
+        return {DEVICE: record}
+
+    def adopt(self, name: str, busy: bool = False, kv: int = 0) -> str:
+        """A ready instance of ``name`` (idle, or serving one request when ``busy``) holding
+        ``kv`` bytes of KV blocks."""
+        model = self.state.function(name).model
+        assert model is not None and self._make_room(model.model_id, model.weight_bytes)
+        instance_id = self.state.scale_up(name, 100, DEVICE)
+        assert instance_id is not None
+        self.state.transition(
+            instance_id, "starting", "ready", url="http://127.0.0.1:9", deadline=time.time() + 60
+        )
+        self.running[instance_id] = model.model_id
+        self.kv[instance_id] = kv
+        assert self.free() >= 0
+        if busy:
+            assert self.state.acquire_slot(name, 1) is not None
+        return instance_id
+
+
+def deploy(state: ClusterState, name: str, weight_bytes: int, min_scale: int = 0) -> None:
+    scaling = {"concurrency": 1, "minScale": min_scale, "maxScale": 1, "keepAlive": "60s"}
+    model = ModelRef(f"m-{name}", f"/models/{name}", weight_bytes)
+    state.put_function(name, {"spec": {"scaling": scaling}}, model)
+
+
+def ready_ids(state: ClusterState, name: str) -> list[str]:
+    return [i.instance_id for i in state.instances(name) if i.state == "ready"]
+
+
+def test_a_model_larger_than_every_pool_stops_no_idle_instance(state: ClusterState) -> None:
+    deploy(state, "g", 30)
+    deploy(state, "big", 150)
+    launcher = BookkeepingLauncher(state, capacity=100)
+    idle = launcher.adopt("g")
+
+    async def scenario() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        with pytest.raises(Rejected, match="larger than every pool"):
+            await router.route("big", state.function("big"), time.time() + 5)
+        await router.close()
+
+    asyncio.run(scenario())
+    assert launcher.stopped == [] and ready_ids(state, "g") == [idle]
+
+
+def test_idle_instances_stay_while_busy_ones_hold_the_room_then_yield(state: ClusterState) -> None:
+    deploy(state, "h", 50)
+    deploy(state, "g", 30)
+    deploy(state, "f", 60)
+    launcher = BookkeepingLauncher(state, capacity=100)
+    busy = launcher.adopt("h", busy=True)
+    idle = launcher.adopt("g")
+
+    async def scenario() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        # 20 free + g's 30 cannot hold 60 while h serves: stopping g would gain nothing.
+        with pytest.raises(Rejected, match="deadline"):
+            await router.route("f", state.function("f"), time.time() + 0.5)
+        assert launcher.stopped == [] and ready_ids(state, "g") == [idle]
+        state.release(busy, 60.0)  # h goes idle: now stopping idle instances makes room
+        route = await router.route("f", state.function("f"), time.time() + 5)
+        assert route.cold and launcher.running[route.instance_id] == "m-f"
+        await router.close()
+
+    asyncio.run(scenario())
+    assert launcher.stopped  # the longest idle first, until f fits
+
+
+def test_an_idle_instance_whose_kv_blocks_make_the_room_is_stopped(state: ClusterState) -> None:
+    deploy(state, "g", 20)
+    deploy(state, "f", 60)
+    launcher = BookkeepingLauncher(state, capacity=100)
+    idle = launcher.adopt("g", kv=50)  # 30 free: g's weights alone (20) would not be enough
+
+    async def scenario() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        route = await router.route("f", state.function("f"), time.time() + 5)
+        assert launcher.running[route.instance_id] == "m-f"
+        await router.close()
+
+    asyncio.run(scenario())
+    assert launcher.stopped == [idle]
+
+
+def test_a_pool_refusing_for_room_is_tried_with_growing_pauses(state: ClusterState) -> None:
+    deploy(state, "f", 60)
+    deploy(state, "m", 60, min_scale=1)
+    launcher = BookkeepingLauncher(state, capacity=100, refuse=True)  # its report says 100 free
+
+    async def requests() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        with pytest.raises(Rejected, match="deadline"):
+            await router.route("f", state.function("f"), time.time() + 2.0)
+        await router.close()
+
+    asyncio.run(requests())
+    # Each try costs the node a worker process. Tries at 0, 0, 0.25, 0.75 and 1.75 s: five,
+    # where a tight loop made one per refusal (hundreds).
+    assert 3 <= launcher.launches <= 6, launcher.launches
+
+    launcher.launches = 0
+
+    async def min_scale() -> None:
+        router = Router(state, launcher, RouterConfig())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            await router.reconcile()
+            await asyncio.sleep(0.05)
+        await router.close()
+
+    asyncio.run(min_scale())
+    assert 3 <= launcher.launches <= 6, launcher.launches
