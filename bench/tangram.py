@@ -34,7 +34,6 @@ Run: ``python -m bench.tangram --figure 10|12 [--quick] [--seed S]``; prints one
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.json_line import emit
 from bench.workload import Locality, locality_arrivals, locality_sequence
 from gpu_pool import store
 from gpu_pool.client import PoolClient
@@ -385,11 +385,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON line to this file too")
     args = parser.parse_args(argv)
-    text = json.dumps(run(args.figure, args.quick, args.seed))
-    print(text)
-    if args.out is not None:
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(run(args.figure, args.quick, args.seed), args.out)
 
 
 if __name__ == "__main__":

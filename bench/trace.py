@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.json_line import emit
 from bench.openai_stream import pct
 from bench.replay import Replay, ReplayResult
 from bench.workload import (
@@ -78,6 +79,21 @@ def function_order(zoo: Zoo, seed: int) -> list[str]:
     names = [m.name for m in zoo.models]
     random.Random(seed).shuffle(names)
     return names
+
+
+def trace_config(
+    zoo: Zoo, quick: bool, requests: int | None, duration: float | None, seed: int
+) -> TraceConfig:
+    """The trace both trace benchmarks replay (``bench.trace_pool`` uses the same one)."""
+    return TraceConfig(
+        num_functions=len(zoo.models),
+        num_requests=requests if requests is not None else (24 if quick else 80),
+        duration_s=duration if duration is not None else (20.0 if quick else 90.0),
+        max_tokens=(2, 4),
+        prompt_tokens=(8, 32),
+        seed=seed,
+        time_scale=TIME_SCALE,
+    )
 
 
 def score(result: ReplayResult, slo: SloSpec) -> dict[str, Any]:
@@ -210,15 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     zoo = build(args.zoo_root or default_root(profile), profile)
-    config = TraceConfig(
-        num_functions=len(zoo.models),
-        num_requests=args.requests if args.requests is not None else (24 if args.quick else 80),
-        duration_s=args.duration if args.duration is not None else (20.0 if args.quick else 90.0),
-        max_tokens=(2, 4),
-        prompt_tokens=(8, 32),
-        seed=args.seed,
-        time_scale=TIME_SCALE,
-    )
+    config = trace_config(zoo, args.quick, args.requests, args.duration, args.seed)
     trace = generate(config)
     order = function_order(zoo, args.seed)
     with tempfile.TemporaryDirectory(prefix="ember-trace-") as tmp:
@@ -239,11 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(time.perf_counter() - t0, 1),
         "load_avg": os.getloadavg()[0],
     }
-    text = json.dumps(line)
-    print(text)
-    if args.out is not None:
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(line, args.out)
 
 
 if __name__ == "__main__":

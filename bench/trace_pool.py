@@ -21,15 +21,15 @@ Per policy and capacity: ``hit_ratio`` (starts that loaded 0 bytes), ``byte_hit_
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.trace import CAPACITIES, KEEP_ALIVE_S, POLICIES, TIME_SCALE, arena_bytes, function_order
-from bench.workload import Trace, TraceConfig, generate
+from bench.json_line import emit
+from bench.trace import CAPACITIES, KEEP_ALIVE_S, POLICIES, arena_bytes, function_order, trace_config
+from bench.workload import Trace, generate
 from bench.zoo import Zoo, build, default_root
 from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.errors import OutOfMemory
@@ -171,15 +171,7 @@ def main() -> None:
     t0 = time.perf_counter()
     zoo = build(args.zoo_root or default_root(profile), profile)
     # The same trace as bench.trace's (same defaults), the same function order.
-    config = TraceConfig(
-        num_functions=len(zoo.models),
-        num_requests=args.requests or (24 if args.quick else 80),
-        duration_s=args.duration or (20.0 if args.quick else 90.0),
-        max_tokens=(2, 4),
-        prompt_tokens=(8, 32),
-        seed=args.seed,
-        time_scale=TIME_SCALE,
-    )
+    config = trace_config(zoo, args.quick, args.requests, args.duration, args.seed)
     trace = generate(config)
     by_name = {m.name: m for m in zoo.models}
     manifests = [load(zoo.model_dir(by_name[name])).manifest() for name in function_order(zoo, args.seed)]
@@ -210,11 +202,7 @@ def main() -> None:
         "iam_vs_best": best,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    text = json.dumps(line)
-    print(text)
-    if args.out is not None:
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(line, args.out)
 
 
 if __name__ == "__main__":

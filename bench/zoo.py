@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from bench.json_line import emit
 from bench.zoo_weights import LlamaShape, write_finetune, write_random_llama, write_tokenizer
 from gpu_pool import store
 
@@ -361,11 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         from bench.zoo_dedup import measure_dedup
 
         out["dedup"] = [r.to_json() for r in measure_dedup(zoo)]
-    text = json.dumps(out)
-    print(text)
-    if args.out is not None:
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
