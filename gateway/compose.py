@@ -95,6 +95,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
     restarts fork from a long-lived thread too (see :func:`runtime.process.die_with_parent`).
     """
     from runtime.agent import AgentConfig, NodeAgent
+    from runtime.mesh.config import TokenSchedulingConfig
     from runtime.process import die_with_parent
     from runtime.sandbox import SandboxConfig
     from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
@@ -136,6 +137,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
             restart=restart,
             sandbox=SandboxConfig.from_env(),
             limits=WorkerLimits.from_env(),
+            tokens=TokenSchedulingConfig.from_env(),
         ),
         report=state.report_device,
     )

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep-capabilities", action="store_true", help="do not drop the capabilities of a root worker"
     )
+    parser.add_argument(
+        "--mesh-fd", type=int, default=None, help="socketpair end for the agent's token scheduler"
+    )
     args = parser.parse_args(argv)
     try:
         guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         guard=guard,
         headers=headers,
         function_layer=layer,
+        mesh_fd=args.mesh_fd,
     )
     return 0
 

@@ -45,6 +45,7 @@ from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
 from runtime.errors import LaunchError, NoRoom
+from runtime.mesh.grant_server import DeviceGrants
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
 from runtime.standby_pool import Standbys, function_name, kv_scope
@@ -88,6 +89,7 @@ class _Start(NamedTuple):
     device: str
     deadline: float
     threads: int | None  # its intra-op threads (CPU devices)
+    take_turns: bool  # the agent schedules its device token by token (runtime.mesh)
 
 
 class _Undelivered(LaunchError):
@@ -115,6 +117,7 @@ class NodeAgent:
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
         self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
         self._tasks: set[asyncio.Task[None]] = set()  # background rounds (kept referenced)
+        self._grants: dict[str, DeviceGrants] = {}  # device -> its token scheduler (runtime.mesh)
 
     @property
     def pools(self) -> dict[str, Any]:
@@ -160,6 +163,8 @@ class NodeAgent:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._pools.stop_supervising()
+        for grants in self._grants.values():
+            grants.close()
         instances, self._instances = list(self._instances.values()), {}
         await asyncio.gather(
             self._workers.close(),
@@ -200,7 +205,7 @@ class NodeAgent:
         await self._pools.wait_until_up(device, deadline)
         self._workers.adopt(model["dir"])
         threads = self._new_instance_threads() if device == "cpu" else None
-        start = _Start(instance_id, spec, model, device, deadline, threads)
+        start = _Start(instance_id, spec, model, device, deadline, threads, self._takes_turns(device))
         started = await self._from_standby(start)
         if started is None:
             started = await self._from_prewarmed(start)
@@ -214,6 +219,9 @@ class NodeAgent:
         worker.threads = threads
         worker.assigned = message
         self._instances[instance_id] = worker
+        if message.token_scheduling and worker.mesh_sock is not None:
+            grants = self._grants.setdefault(device, DeviceGrants(device, self.config.tokens))
+            grants.attach(instance_id, worker.mesh_sock)
         # The others' share shrank: told in the background, off this start's path (each
         # instance applies it between two engine steps).
         self._spawn(self._share_cores())
@@ -243,6 +251,7 @@ class NodeAgent:
             start.deadline,
             start.threads,
             prepared.kv_quota_bytes,
+            start.take_turns,
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
         try:
@@ -303,7 +312,12 @@ class NodeAgent:
         """The intra-op threads of an instance about to start on the CPU device (its share
         with the instances already there: :meth:`runtime.cpu_share.CpuShare.share`)."""
         running = sum(1 for w in self._instances.values() if w.running and w.device == "cpu")
-        return self._cpu_share.share(running + 1)
+        return self._cpu_share.share(1 if self._takes_turns("cpu") else running + 1)
+
+    def _takes_turns(self, device: str) -> bool:
+        """Whether instances on ``device`` run token by token (runtime.mesh: CPU devices only;
+        a GPU's kernels queue on its streams instead)."""
+        return self.config.tokens.enabled and device == "cpu"
 
     async def _assign_message(self, start: _Start) -> AssignMessage:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
@@ -314,7 +328,15 @@ class NodeAgent:
         socket_path = self.pools[device].socket_path
         try:
             return AssignMessage(
-                start.instance_id, spec, model_dir, socket_path, ticket, start.deadline, start.threads, quota
+                start.instance_id,
+                spec,
+                model_dir,
+                socket_path,
+                ticket,
+                start.deadline,
+                start.threads,
+                quota,
+                start.take_turns,
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {start.instance_id}: {exc}") from None
@@ -366,6 +388,8 @@ class NodeAgent:
         it idled out, prepare a standby for its function (:mod:`runtime.standby_pool`)."""
         worker = self._instances.pop(instance_id, None)
         if worker is not None:
+            if worker.device in self._grants:
+                self._grants[worker.device].detach(instance_id)  # before its socket closes
             await worker.terminate(self.config.drain_timeout_s)
             if standby and worker.assigned is not None and self.pool_alive(worker.device):
                 self._spawn(self._standbys.prepare(worker.assigned, worker.device))
@@ -386,6 +410,7 @@ class NodeAgent:
                 [w.pid for w in workers],
                 self._workers.idle_pids() + self._standbys.pids(),
                 measure,
+                self._takes_turns("cpu"),
             )
             if per is None:
                 return
@@ -432,13 +457,25 @@ class NodeAgent:
             except (OSError, PoolError) as exc:  # it died since the check: supervision restarts it
                 log.info("no report for %s this time: its pool did not answer (%s)", device, exc)
                 continue
-            workers = {**self._workers.report(), **self._standbys.report()}
+            workers = {**self._workers.report(), **self._standbys.report(), **self._tokens_report(device)}
             record = device_record(self.config.node, device, stats, workers)
             out[self.device_id(device)] = record
             if self._report is not None:
                 await asyncio.to_thread(self._report, self.device_id(device), record)
         await self._share_cores(measure=True)  # about once a second: see runtime.cpu_share
         return out
+
+    def _tokens_report(self, device: str) -> dict[str, Any]:
+        """Token-level scheduling on ``device`` (runtime.mesh), for ``/v1/cluster``."""
+        if not self._takes_turns(device):
+            return {}
+        grants = self._grants.get(device)
+        return {
+            "token_scheduling": {
+                "instances": len(grants.instance_ids) if grants else 0,
+                "grants": grants.scheduler.num_grants if grants else 0,
+            }
+        }
 
     # ----- pools ------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.mesh.config import TokenSchedulingConfig
 from runtime.sandbox import SandboxConfig
 from runtime.supervisor import RestartConfig
 from runtime.worker_guard import DEFAULT_MAX_BODY_BYTES
@@ -42,6 +43,8 @@ class AgentConfig:
     restart: RestartConfig = field(default_factory=RestartConfig)  # dead pool daemons
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # workers cannot read or write EMBER_HOME
     limits: WorkerLimits = field(default_factory=WorkerLimits)  # rlimits and capabilities of workers
+    # Co-located CPU instances run token by token, least headroom first (runtime.mesh).
+    tokens: TokenSchedulingConfig = field(default_factory=TokenSchedulingConfig)
 
     def __post_init__(self) -> None:
         if self.worker_max_body_bytes < 1024:

@@ -83,20 +83,28 @@ class CpuShare:
         return max(1, min(self.max_threads, self.cores // num_instances))
 
     def decide(
-        self, now: float, instance_pids: Iterable[int], idle_pids: Iterable[int] = (), measure: bool = True
+        self,
+        now: float,
+        instance_pids: Iterable[int],
+        idle_pids: Iterable[int] = (),
+        measure: bool = True,
+        take_turns: bool = False,
     ) -> int | None:
         """Threads per instance for the instances ``instance_pids`` after a sample at ``now``
         (monotonic seconds); None when there are none. ``idle_pids``: processes at SCHED_IDLE
         (pre-warming workers), which use only what the instances leave: not counted as others.
         ``measure=False``: the last decision for this many instances, without a sample (an
-        instance just started or ended; the periodic samples stay evenly spaced)."""
+        instance just started or ended; the periodic samples stay evenly spaced).
+        ``take_turns``: the instances run one iteration at a time (token-level scheduling,
+        :mod:`runtime.mesh`), so each gets what one instance alone would."""
         pids = list(instance_pids)
         if not pids:
             self._last, self._pending = None, None
             return None
-        baseline = self._baseline(len(pids))
+        sharing = 1 if take_turns else len(pids)
+        baseline = self._baseline(sharing)
         if not measure:
-            return self.share(len(pids))
+            return self.share(sharing)
         busy = self.read_busy()
         if busy is None:  # no /proc
             return baseline
@@ -105,11 +113,11 @@ class CpuShare:
         # CPU time falls in this interval.
         ours = sum(t - self._cpu.get(p, 0.0) for p, t in cpu.items())
         last, self._last, self._cpu = self._last, (now, busy), cpu
-        previous = self.current.get(len(pids), baseline)
+        previous = self.current.get(sharing, baseline)
         if last is None or now - last[0] <= 0:
             return previous
         others = max(0.0, (busy - last[1]) - ours) / (now - last[0])
-        wanted = threads_per_instance(self.cores, others, len(pids), self.max_threads)
+        wanted = threads_per_instance(self.cores, others, sharing, self.max_threads)
         if wanted == previous:
             self._pending = None
             return previous
@@ -117,5 +125,5 @@ class CpuShare:
             self._pending = wanted
             return previous
         self._pending = None
-        self.current[len(pids)] = wanted
+        self.current[sharing] = wanted
         return wanted

@@ -120,9 +120,13 @@ class AssignMessage(_FunctionMessage):
     # The KV bytes the pool ticket lets the instance hold (None: no ticket, no quota): the
     # worker refuses a request whose choices together could never fit in it.
     kv_quota_bytes: int | None = None
+    # The agent schedules the device token by token (runtime.mesh): step only with its grants.
+    token_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _text(self.instance_id, "instance_id")
+        if not isinstance(self.token_scheduling, bool):
+            raise MessageError("token_scheduling must be a boolean")
         n = self.num_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
             raise MessageError(f"num_threads must be null or a positive integer (at most {MAX_THREADS})")
@@ -139,7 +143,7 @@ class AssignMessage(_FunctionMessage):
     def from_json(cls, raw: bytes | str) -> AssignMessage:
         """The message in ``raw``; :class:`MessageError` if it is not one."""
         fields = frozenset(cls.__dataclass_fields__)
-        data = _object(raw, fields, fields - {"num_threads", "kv_quota_bytes"})
+        data = _object(raw, fields, fields - {"num_threads", "kv_quota_bytes", "token_scheduling"})
         return cls(**data)
 
 

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -177,14 +178,25 @@ class WarmPool:
             # Temporary files go where the sandboxed worker can read them back (not /tmp).
             env["TMPDIR"] = str(temp_dir(config.home))
         token = new_token()
-        with open(log_path, "ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                stdin=asyncio.subprocess.PIPE,
-                env=env,
-            )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
+        # The worker's line to the token scheduler (runtime.mesh), used once it is a CPU instance
+        # of an agent that schedules tokens: a socketpair, so nobody else can speak on it.
+        mesh, mesh_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        args += ["--mesh-fd", str(mesh_child.fileno())]
+        try:
+            with open(log_path, "ab") as log:
+                proc = await asyncio.create_subprocess_exec(
+                    *args,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=log,
+                    stdin=asyncio.subprocess.PIPE,
+                    env=env,
+                    pass_fds=(mesh_child.fileno(),),
+                )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
+        except BaseException:
+            mesh.close()
+            raise
+        finally:
+            mesh_child.close()
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
         aging = asyncio.create_task(self._age(proc.pid))
@@ -197,6 +209,7 @@ class WarmPool:
         except TimeoutError:
             line = b""
         except BaseException:  # cancelled (a standby's start, when the agent closes): not left running
+            mesh.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise
@@ -204,13 +217,14 @@ class WarmPool:
             aging.cancel()
             del self._spawning[proc.pid]
         if not line:
+            mesh.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
             tail = log_path.read_text(errors="replace")[-2000:]
             raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
         ready = json.loads(line)
-        return WorkerHandle(proc, str(ready["url"]), log_path, token)
+        return WorkerHandle(proc, str(ready["url"]), log_path, token, mesh_sock=mesh)
 
     async def _age(self, pid: int) -> None:
         """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config).

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -72,6 +73,17 @@ class WorkerState:
     standby: Standby | None = None  # prepared for one function (runtime.assignment), until assigned
     assigning: bool = False  # an assign or a standby is being prepared
     sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
+    # This worker's end of its socketpair with the agent's token scheduler (runtime.mesh).
+    mesh_sock: socket.socket | None = None
+
+    def schedule_tokens(self, message: AssignMessage) -> None:
+        """Let the agent's token scheduler grant this instance's iterations, when it asks to."""
+        if not message.token_scheduling or self.mesh_sock is None or self.assignment is None:
+            return
+        from runtime.mesh.gate import Gate
+        from runtime.mesh.slo import slo_of
+
+        self.assignment.binding.engine.schedule_with(Gate(self.mesh_sock), slo_of(message.spec))
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
         """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
@@ -189,6 +201,7 @@ def build_app(state: WorkerState) -> FastAPI:
                 except StandbyMismatch:
                     state.standby = standby  # untouched: the agent ends this worker
                     raise
+            state.schedule_tokens(message)
             return Response(reply.to_json(), media_type="application/json")
 
         return await _assigning(become)
@@ -332,6 +345,7 @@ def serve(
     show_token: bool = False,
     headers: HeaderLimits | None = None,
     function_layer: FunctionLayer | None = None,
+    mesh_fd: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -342,11 +356,11 @@ def serve(
     without one); ``show_token`` adds the credential to the readiness line (for a worker
     started from the CLI, whose caller did not choose it). ``headers`` bounds each request's
     line and headers (default: :class:`HeaderLimits`' defaults). ``function_layer`` (a sandboxed
-    worker's) confines the worker to its function's code when it is assigned.
+    worker's) confines the worker to its function's code when it is assigned. ``mesh_fd``: this
+    worker's end of a socketpair with its agent's token scheduler (:mod:`runtime.mesh`).
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
-    import socket
     import sys
 
     import uvicorn
@@ -356,6 +370,8 @@ def serve(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     state = WorkerState(sandbox=FunctionSandbox(function_layer))
+    if mesh_fd is not None:
+        state.mesh_sock = socket.socket(fileno=mesh_fd)
     from gpu_pool.client import premap as map_arena
 
     for model_dir in preload or []:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.messages import AssignMessage
@@ -31,6 +32,8 @@ class WorkerHandle:
     device: str = ""  # the pool device its instance runs on ("" while pre-warmed)
     threads: int | None = None  # intra-op threads the agent last gave its instance (None: none yet)
     assigned: AssignMessage | None = None  # what made it an instance (a standby is prepared from it)
+    # The agent's end of the worker's line to the token scheduler (runtime.mesh.grant_server).
+    mesh_sock: socket.socket | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -57,6 +60,8 @@ class WorkerHandle:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 await self.proc.wait()
+        if self.mesh_sock is not None:
+            self.mesh_sock.close()
 
     def kill(self) -> None:
         """SIGKILL, no drain (its pool session is already gone); reap with ``proc.wait()``."""

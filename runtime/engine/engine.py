@@ -16,6 +16,8 @@ from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import EngineError, KVCacheExhausted, Scheduler, SchedulerConfig
 from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenConstraint
+from runtime.mesh.gate import Gate
+from runtime.mesh.slo import RequestClock, Slo
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
@@ -90,6 +92,20 @@ class Engine:
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()  # set by add_request: wakes an idle run_forever
+        # Token-level scheduling of the device (runtime.mesh): run_forever steps only with a grant.
+        self.gate: Gate | None = None
+        self.slo = Slo()
+
+    def schedule_with(self, gate: Gate, slo: Slo) -> None:
+        """Step only when ``gate`` grants the device, asking with the deadline (LLM-Mesh Eq. 1,
+        under ``slo``) of the most urgent unfinished request (see :meth:`urgency`)."""
+        self.gate, self.slo = gate, slo
+
+    def urgency(self) -> float:
+        """The deadline of the most urgent unfinished request (monotonic seconds; inf: none)."""
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        clocks = (RequestClock(s.arrival, len(s.prompt_ids), self.slo, len(s.output_ids)) for s in seqs)
+        return min((c.deadline() for c in clocks), default=float("inf"))
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None
@@ -240,6 +256,13 @@ class Engine:
         """
         while True:
             if self.has_unfinished():
+                gate = self.gate
+                if gate is not None:
+                    try:
+                        await gate.acquire(self.urgency())
+                    except (OSError, ValueError) as exc:  # the agent is gone: run unscheduled
+                        log.error("token scheduling ends, the instance runs on its own: %s", exc)
+                        self.gate = gate = None
                 try:
                     self.step()
                 except Exception as exc:
@@ -252,11 +275,23 @@ class Engine:
                             )
                         else:
                             self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
+                finally:
+                    if gate is not None:
+                        self._release(gate)
                 await asyncio.sleep(0)
             else:
+                if self.gate is not None:
+                    self._release(self.gate, idle=True)
                 self._publish()
                 self._work.clear()
                 await self._work.wait()
+
+    def _release(self, gate: Gate, idle: bool = False) -> None:
+        try:
+            gate.idle() if idle else gate.release()
+        except (OSError, ValueError) as exc:
+            log.error("token scheduling ends, the instance runs on its own: %s", exc)
+            self.gate = None
 
     def text(self, seq_id: int) -> str:
         """Text emitted so far for a sequence."""

@@ -1,0 +1,126 @@
+"""The agent's side of token-level scheduling: one :class:`DeviceGrants` per device.
+
+Each instance on the device talks to it over its worker's socketpair (:mod:`runtime.mesh.wire`).
+A grant that runs longer than ``max_iteration_s`` (a worker stuck or stopped) is taken back so
+the device does not stall; that worker's late DONE is ignored. A socket that closes or sends a
+malformed message removes its instance from the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from runtime.mesh.config import TokenSchedulingConfig
+from runtime.mesh.token_scheduler import TokenScheduler
+from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
+
+log = logging.getLogger("ember.agent")
+
+
+class DeviceGrants:
+    """Token-level grants of one device (see the module docstring)."""
+
+    def __init__(self, device: str, config: TokenSchedulingConfig | None = None) -> None:
+        self.device = device
+        self.config = config or TokenSchedulingConfig(enabled=True)
+        self.scheduler = TokenScheduler()
+        self._socks: dict[str, socket.socket] = {}
+        self._overdue: asyncio.TimerHandle | None = None
+
+    @property
+    def instance_ids(self) -> list[str]:
+        return list(self._socks)
+
+    def attach(self, instance_id: str, sock: socket.socket) -> None:
+        """Schedule ``instance_id``, whose worker holds the other end of ``sock``."""
+        sock.setblocking(False)
+        self._socks[instance_id] = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, instance_id)
+
+    def detach(self, instance_id: str) -> None:
+        """The instance ended (its socket stays open: the worker handle owns it)."""
+        sock = self._socks.pop(instance_id, None)
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+        if self.scheduler.running == instance_id and self._overdue is not None:
+            self._overdue.cancel()
+            self._overdue = None
+        self.scheduler.leave(instance_id)
+        self._dispatch()
+
+    def close(self) -> None:
+        for instance_id in list(self._socks):
+            self.detach(instance_id)
+
+    def _readable(self, instance_id: str) -> None:
+        sock = self._socks.get(instance_id)
+        if sock is None:
+            return
+        try:
+            while True:
+                try:
+                    raw = sock.recv(SIZE)
+                except BlockingIOError:
+                    break
+                if not raw:
+                    raise ConnectionError("closed")
+                self._handle(instance_id, decode(raw))
+        except (OSError, WireError, ValueError) as exc:
+            log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
+            self.detach(instance_id)
+            return
+        self._dispatch()
+
+    def _handle(self, instance_id: str, message: Message) -> None:
+        s = self.scheduler
+        if message.op is Op.WANT:
+            if s.running == instance_id:  # it gave its lease back without saying so: fine
+                self._done(instance_id)
+            if s.want(instance_id, message.value) and s.running is not None:
+                self._send(s.running, Message(Op.YIELD))
+                self._arm(s.running)  # the lease holder now has one iteration left
+        elif message.op is Op.DONE:
+            if s.running == instance_id:  # else: a grant taken back for running too long
+                self._done(instance_id)
+        else:
+            raise WireError(f"a worker may not send {message.op.name}")
+
+    def _done(self, instance_id: str) -> None:
+        self.scheduler.done(instance_id)
+        if self._overdue is not None:
+            self._overdue.cancel()
+            self._overdue = None
+
+    def _dispatch(self) -> None:
+        granted = self.scheduler.grant()
+        if granted is None:
+            return
+        self._send(granted, Message(Op.GRANT, 1.0 if self.scheduler.leased else 0.0))
+        if not self.scheduler.leased:
+            self._arm(granted)
+
+    def _arm(self, instance_id: str) -> None:
+        if self._overdue is not None:
+            self._overdue.cancel()
+        loop = asyncio.get_running_loop()
+        self._overdue = loop.call_later(self.config.max_iteration_s, self._take_back, instance_id)
+
+    def _take_back(self, instance_id: str) -> None:
+        self._overdue = None
+        if self.scheduler.running == instance_id:
+            limit = self.config.max_iteration_s
+            log.warning("%s held %s for over %.0f s: taken back", instance_id, self.device, limit)
+            self.scheduler.done(instance_id)
+            self._dispatch()
+
+    def _send(self, instance_id: str, message: Message) -> None:
+        sock = self._socks.get(instance_id)
+        if sock is None:
+            return
+        try:
+            sock.send(encode(message))
+        except OSError as exc:
+            log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
+            self.detach(instance_id)

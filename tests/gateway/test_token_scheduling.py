@@ -1,0 +1,90 @@
+"""Co-located instances on the CPU device run token by token (LLM-Mesh §5, ``runtime.mesh``).
+
+With ``EMBER_TOKEN_SCHEDULING=on`` two functions' instances share the CPU device: every
+iteration of either waits for the agent's grant, and both answer concurrent streams in full.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.zoo import Zoo, build, function_spec
+from gateway.spawn import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
+    return build(tmp_path_factory.mktemp("zoo"), "quick")
+
+
+@pytest.fixture(scope="module")
+def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    home = tmp_path_factory.mktemp("home")
+    subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
+    env = {
+        "EMBER_PREWARM": "2",
+        "EMBER_STANDBY": "0",
+        "EMBER_MODEL_ROOTS": str(zoo.root),
+        "EMBER_TOKEN_SCHEDULING": "on",
+    }
+    proc = ServeProcess(home, env=env)
+    try:
+        with httpx.Client(base_url=proc.url, timeout=60) as http:
+            for name in ("tiny-a-bf16", "tiny-e-bf16"):
+                r = http.post("/v1/functions", json=function_spec(zoo.model(name), keep_alive="60s"))
+                assert r.status_code == 201, r.text
+        yield proc
+    finally:
+        assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]
+
+
+def cpu_tokens(http: httpx.Client) -> dict[str, Any]:
+    devices = http.get("/v1/cluster").json()["devices"]
+    (cpu,) = [d for d in devices.values() if d["device"] == "cpu"]
+    return dict(cpu["token_scheduling"])
+
+
+def test_two_functions_share_the_cpu_token_by_token(server: ServeProcess) -> None:
+    results: dict[str, list[int]] = {}
+
+    def stream(model: str) -> None:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 24,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for _ in range(2):
+                with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200, r.read()
+                    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                usage = [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")]
+                results.setdefault(model, []).append(usage[-1])
+
+    threads = [threading.Thread(target=stream, args=(m,)) for m in ("tiny-a-bf16", "tiny-e-bf16")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results == {"tiny-a-bf16": [24, 24], "tiny-e-bf16": [24, 24]}  # every token
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        deadline = time.monotonic() + 10
+        tokens = cpu_tokens(http)
+        while tokens["instances"] < 2 and time.monotonic() < deadline:  # reports come every second
+            time.sleep(0.5)
+            tokens = cpu_tokens(http)
+        assert tokens["instances"] == 2
+        assert tokens["grants"] >= 2  # both instances were granted the device
