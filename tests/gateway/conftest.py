@@ -66,3 +66,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 def http(server: ServeProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
+
+
+def serve_zoo(zoo: Any, home: Path, env: dict[str, str], functions: list[str]) -> ServeProcess:
+    """``ember serve`` on ``home`` with ``zoo``'s (bench.zoo) registered models hard-linked in
+    and its ``functions`` deployed (keep-alive 60 s); the caller stops it."""
+    import subprocess
+
+    from bench.zoo import function_spec
+
+    subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
+    proc = ServeProcess(home, env={"EMBER_MODEL_ROOTS": str(zoo.root), **env})
+    try:
+        with httpx.Client(base_url=proc.url, timeout=60) as http:
+            for name in functions:
+                r = http.post("/v1/functions", json=function_spec(zoo.model(name), keep_alive="60s"))
+                assert r.status_code == 201, r.text
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

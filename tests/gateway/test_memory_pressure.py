@@ -10,7 +10,6 @@ than every pool is still refused at once, without stopping anything first.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,8 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.zoo import Zoo, build, function_spec
+from bench.zoo import Zoo, build
 from gateway.spawn import ServeProcess
+from tests.gateway.conftest import serve_zoo
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +33,9 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
 @pytest.fixture(scope="module")
 def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("home")
-    subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
-    env = {
-        "EMBER_ARENA": "8MiB",
-        "EMBER_PREWARM": "2",
-        "EMBER_STANDBY": "0",
-        "EMBER_MODEL_ROOTS": str(zoo.root),
-    }
-    proc = ServeProcess(home, env=env)
+    env = {"EMBER_ARENA": "8MiB", "EMBER_PREWARM": "2", "EMBER_STANDBY": "0"}
+    proc = serve_zoo(zoo, home, env, ["tiny-a-bf16", "tiny-e-bf16", "tiny-d-q4"])
     try:
-        with httpx.Client(base_url=proc.url, timeout=60) as http:
-            for name in ("tiny-a-bf16", "tiny-e-bf16", "tiny-d-q4"):
-                r = http.post("/v1/functions", json=function_spec(zoo.model(name), keep_alive="60s"))
-                assert r.status_code == 201, r.text
         yield proc
     finally:
         assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]

@@ -7,7 +7,6 @@ iteration of either waits for the agent's grant, and both answer concurrent stre
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.zoo import Zoo, build, function_spec
+from bench.zoo import Zoo, build
 from gateway.spawn import ServeProcess
+from tests.gateway.conftest import serve_zoo
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +30,9 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
 @pytest.fixture(scope="module")
 def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("home")
-    subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
-    env = {
-        "EMBER_PREWARM": "2",
-        "EMBER_STANDBY": "0",
-        "EMBER_MODEL_ROOTS": str(zoo.root),
-        "EMBER_TOKEN_SCHEDULING": "on",
-    }
-    proc = ServeProcess(home, env=env)
+    env = {"EMBER_PREWARM": "2", "EMBER_STANDBY": "0", "EMBER_TOKEN_SCHEDULING": "on"}
+    proc = serve_zoo(zoo, home, env, ["tiny-a-bf16", "tiny-e-bf16"])
     try:
-        with httpx.Client(base_url=proc.url, timeout=60) as http:
-            for name in ("tiny-a-bf16", "tiny-e-bf16"):
-                r = http.post("/v1/functions", json=function_spec(zoo.model(name), keep_alive="60s"))
-                assert r.status_code == 201, r.text
         yield proc
     finally:
         assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]
