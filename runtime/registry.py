@@ -214,11 +214,13 @@ def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: 
     KV geometry (bytes per block, blocks a request can need), the weights' resident bytes (an
     int8 / q4 model leaves that much more of an arena to KV: ``kv_blocks_per_gib``, blocks that
     fit in a 1 GiB arena beside one copy of the weights) and warm-up timings of a short prefill
-    and decode, so an engine start runs no profiling pass. CPU is profiled here; a GPU kind is
-    added when the model is first placed on one.
+    and decode, so an engine start runs no profiling pass, and LLM-Mesh's iteration time tables
+    (:mod:`runtime.iteration_profile`). CPU is profiled here; a GPU kind is added when the model
+    is first placed on one.
     """
     import torch
 
+    from runtime.iteration_profile import measure_time_table
     from runtime.models.llama import Batch, LlamaConfig, LlamaModel
 
     cfg = LlamaConfig.from_hf(config)
@@ -242,6 +244,7 @@ def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: 
 
     prefill = step(0, prompt)
     decode = [step(prompt + i, 1) for i in range(8)]
+    times = measure_time_table(model, torch_dtype, block_size)
     return {
         "version": 1,
         "cpu": {
@@ -259,6 +262,8 @@ def materialize_profile(config: dict[str, Any], tensors: dict[str, Any], dtype: 
                 "decode_ms_per_token": round(sorted(decode)[len(decode) // 2] * 1e3, 3),
                 "threads": torch.get_num_threads(),
             },
+            # LLM-Mesh's prefill / decode time tables (runtime.iteration_profile).
+            "time_table": times.to_json(),
         },
     }
 

@@ -208,6 +208,7 @@ def test_ember_generate_answers_from_the_shell(tmp_path: Path) -> None:
 
 
 def test_registration_materializes_the_kv_profile(tiny_gguf: Path, tmp_path: Path) -> None:
+    from runtime.mesh.time_table import TimeTable
     from runtime.models.llama import LlamaConfig
 
     model = register(str(tiny_gguf), "float32", home=tmp_path)
@@ -216,6 +217,11 @@ def test_registration_materializes_the_kv_profile(tiny_gguf: Path, tmp_path: Pat
     assert profile["kv_block_bytes"] == config.kv_block_bytes(profile["block_size"], torch.float32)
     assert profile["max_blocks_per_request"] == -(-config.max_position_embeddings // profile["block_size"])
     assert profile["warmup"]["prefill_ms"] > 0 and profile["warmup"]["decode_ms_per_token"] > 0
+    # LLM-Mesh's time tables: prefill at powers of two up to the context, decode on a grid.
+    table = TimeTable.from_json(profile["time_table"])
+    assert table.prefill_lengths[0] == 16 and table.prefill_lengths[-1] <= config.max_position_embeddings
+    assert table.decode_batches == (1, 4, 16) and len(table.decode_lengths) >= 1
+    assert table.prefill(config.max_position_embeddings) > 0 and table.decode(8, 100) > 0
     with pytest.raises(RegistrationError, match="cuda"):
         model.profile("cuda")
 
