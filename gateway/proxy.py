@@ -43,6 +43,7 @@ from scheduler.state import ClusterState, on_loop
 
 WORKER_TOKEN_HEADER = "x-ember-worker-token"  # runtime.worker_guard.TOKEN_HEADER
 POOL_KEEP_ALIVE_S = 30.0  # idle pooled connections: below the worker's keep-alive (75 s)
+PASSED_ON = ("server-timing", "retry-after")  # worker response headers the client gets
 # Failures that happen before any byte of the request is sent: safe to route again.
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
@@ -188,8 +189,8 @@ class Invoker:
             await self.router.done(name, route, keep_alive, elapsed, reusable)
 
         status = upstream.status
-        timing = upstream.headers.get("server-timing")
-        passed_on = {"server-timing": timing} if timing else None
+        # The worker's own timing, and its Retry-After on a 503 (no KV room, no room in the SLO).
+        passed_on = {h: v for h in PASSED_ON if (v := upstream.headers.get(h)) is not None} or None
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await upstream.read()

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh-fd", type=int, default=None, help="socketpair end for the agent's token scheduler"
     )
+    parser.add_argument("--mesh-page-fd", type=int, default=None, help="memfd of its state page")
     args = parser.parse_args(argv)
     try:
         guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         headers=headers,
         function_layer=layer,
         mesh_fd=args.mesh_fd,
+        mesh_page_fd=args.mesh_page_fd,
     )
     return 0
 

@@ -45,6 +45,7 @@ from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
 from runtime.errors import LaunchError, NoRoom
+from runtime.mesh.admission import instance_view
 from runtime.mesh.grant_server import DeviceGrants
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
@@ -219,9 +220,15 @@ class NodeAgent:
         worker.threads = threads
         worker.assigned = message
         self._instances[instance_id] = worker
-        if message.token_scheduling and worker.mesh_sock is not None:
+        if message.token_scheduling and worker.mesh_sock is not None and worker.mesh_page is not None:
             grants = self._grants.setdefault(device, DeviceGrants(device, self.config.tokens))
-            grants.attach(instance_id, worker.mesh_sock)
+            shape = self._kv_shapes.get(message.model_dir)  # read by the launch already: no thread hop
+            if shape is None:
+                shape = await asyncio.to_thread(self._model_shape, message.model_dir)
+            profile, context = shape
+            grants.attach(
+                instance_id, worker.mesh_sock, instance_view(worker.mesh_page, spec, profile, context)
+            )
         # The others' share shrank: told in the background, off this start's path (each
         # instance applies it between two engine steps).
         self._spawn(self._share_cores())
@@ -347,16 +354,23 @@ class NodeAgent:
     def _kv_quota(self, model_dir: str, concurrency: int) -> int:
         """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
         from runtime.kv_quota import instance_kv_quota
+
+        profile, context = self._model_shape(model_dir)
+        return instance_kv_quota(profile, context, concurrency, self.config.arena_bytes)
+
+    def _model_shape(self, model_dir: str) -> tuple[dict[str, Any], int]:
+        """The CPU profile and the context of ``model_dir`` (read once per model: launches stay
+        off the disk)."""
         from runtime.registry import load
 
         shape = self._kv_shapes.get(model_dir)
-        if shape is None:  # read once per model: launches stay off the disk
+        if shape is None:
             model = load(Path(model_dir))
             shape = self._kv_shapes[model_dir] = (
                 model.profile("cpu"),
                 int(model.config["max_position_embeddings"]),
             )
-        return instance_kv_quota(shape[0], shape[1], concurrency, self.config.arena_bytes)
+        return shape
 
     def _grant(self, device: str, kv_quota_bytes: int, prefix_scope: str) -> str:
         """A single-use pool ticket for one instance's session (this agent is the pool's admin):
@@ -474,6 +488,8 @@ class NodeAgent:
             "token_scheduling": {
                 "instances": len(grants.instance_ids) if grants else 0,
                 "grants": grants.scheduler.num_grants if grants else 0,
+                "admitted": grants.num_admitted if grants else 0,
+                "refused": grants.num_refused if grants else 0,
             }
         }
 

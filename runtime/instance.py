@@ -255,11 +255,15 @@ class ModelBinding:
         params: SamplingParams,
         n: int = 1,
         constraints: list[Constraint] | None = None,
+        arrival: float | None = None,
     ) -> list[AsyncIterator[StepOutput]]:
         """One engine stream per choice (:func:`~runtime.openai_api.choice_params`), each under
-        its own constraint when given; each adds its sequence when first iterated."""
+        its own constraint when given; each adds its sequence when first iterated.
+        ``arrival``: when the request came (its SLO counts from then; see ``Engine.admit``)."""
         return [
-            self.engine.stream(ids, choice_params(params, i), constraints[i] if constraints else None)
+            self.engine.stream(
+                ids, choice_params(params, i), constraints[i] if constraints else None, arrival
+            )
             for i in range(n)
         ]
 

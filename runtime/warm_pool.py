@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import mmap
 import os
 import socket
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 
 from runtime.agent_config import AgentConfig
 from runtime.errors import LaunchError
+from runtime.mesh.state_page import PAGE_BYTES
 from runtime.messages import PreloadMessage
 from runtime.process import boost
 from runtime.sandbox import temp_dir
@@ -181,7 +183,11 @@ class WarmPool:
         # The worker's line to the token scheduler (runtime.mesh), used once it is a CPU instance
         # of an agent that schedules tokens: a socketpair, so nobody else can speak on it.
         mesh, mesh_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        args += ["--mesh-fd", str(mesh_child.fileno())]
+        # ... and the page where it publishes its requests for the agent's admissions.
+        page_fd = os.memfd_create("ember-mesh-page", os.MFD_CLOEXEC)
+        os.ftruncate(page_fd, PAGE_BYTES)
+        page = mmap.mmap(page_fd, PAGE_BYTES, prot=mmap.PROT_READ)
+        args += ["--mesh-fd", str(mesh_child.fileno()), "--mesh-page-fd", str(page_fd)]
         try:
             with open(log_path, "ab") as log:
                 proc = await asyncio.create_subprocess_exec(
@@ -190,13 +196,15 @@ class WarmPool:
                     stderr=log,
                     stdin=asyncio.subprocess.PIPE,
                     env=env,
-                    pass_fds=(mesh_child.fileno(),),
+                    pass_fds=(mesh_child.fileno(), page_fd),
                 )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         except BaseException:
             mesh.close()
+            page.close()
             raise
         finally:
             mesh_child.close()
+            os.close(page_fd)
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
         aging = asyncio.create_task(self._age(proc.pid))
@@ -210,6 +218,7 @@ class WarmPool:
             line = b""
         except BaseException:  # cancelled (a standby's start, when the agent closes): not left running
             mesh.close()
+            page.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise
@@ -218,13 +227,14 @@ class WarmPool:
             del self._spawning[proc.pid]
         if not line:
             mesh.close()
+            page.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
             tail = log_path.read_text(errors="replace")[-2000:]
             raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
         ready = json.loads(line)
-        return WorkerHandle(proc, str(ready["url"]), log_path, token, mesh_sock=mesh)
+        return WorkerHandle(proc, str(ready["url"]), log_path, token, mesh_sock=mesh, mesh_page=page)
 
     async def _age(self, pid: int) -> None:
         """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config).

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
-from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
+from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
@@ -75,6 +75,7 @@ class WorkerState:
     sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
     # This worker's end of its socketpair with the agent's token scheduler (runtime.mesh).
     mesh_sock: socket.socket | None = None
+    mesh_page: Any = None  # mmap.mmap of the state page it publishes (runtime.mesh.state_page)
 
     def schedule_tokens(self, message: AssignMessage) -> None:
         """Let the agent's token scheduler grant this instance's iterations, when it asks to."""
@@ -82,8 +83,10 @@ class WorkerState:
             return
         from runtime.mesh.gate import Gate
         from runtime.mesh.slo import slo_of
+        from runtime.mesh.state_page import StatePage
 
-        self.assignment.binding.engine.schedule_with(Gate(self.mesh_sock), slo_of(message.spec))
+        page = StatePage(memoryview(self.mesh_page)) if self.mesh_page is not None else None
+        self.assignment.binding.engine.schedule_with(Gate(self.mesh_sock, page), slo_of(message.spec))
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
         """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
@@ -126,8 +129,13 @@ async def _json(raw: Request) -> Any:
 
 
 def _failed(exc: RequestFailed) -> JSONResponse:
-    """No KV room is a 503 (retry later); an engine failure is a 500 (a bug, logged)."""
-    return _error(503 if isinstance(exc, KVCacheExhausted) else 500, exc.code, str(exc))
+    """No KV room, or no room within the SLO, is a 503 (retry later); an engine failure is a
+    500 (a bug, logged)."""
+    if isinstance(exc, KVCacheExhausted | SloUnattainable):
+        response = _error(503, exc.code, str(exc))
+        response.headers["Retry-After"] = "1"
+        return response
+    return _error(500, exc.code, str(exc))
 
 
 def build_app(state: WorkerState) -> FastAPI:
@@ -252,9 +260,13 @@ def build_app(state: WorkerState) -> FastAPI:
         except RequestError as exc:
             return _bad_request(exc)
         ids, params = prepared.ids, prepared.params
+        try:  # the device's token scheduler admits it (runtime.mesh), before any byte is sent
+            arrival = await a.binding.engine.admit(len(ids), request.n)
+        except RequestFailed as exc:
+            return _failed(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
-        streams = a.binding.streams(ids, params, request.n, prepared.constraints)
+        streams = a.binding.streams(ids, params, request.n, prepared.constraints, arrival)
         reporter = a.binding.reporter(params)
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
@@ -346,6 +358,7 @@ def serve(
     headers: HeaderLimits | None = None,
     function_layer: FunctionLayer | None = None,
     mesh_fd: int | None = None,
+    mesh_page_fd: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -357,7 +370,8 @@ def serve(
     started from the CLI, whose caller did not choose it). ``headers`` bounds each request's
     line and headers (default: :class:`HeaderLimits`' defaults). ``function_layer`` (a sandboxed
     worker's) confines the worker to its function's code when it is assigned. ``mesh_fd``: this
-    worker's end of a socketpair with its agent's token scheduler (:mod:`runtime.mesh`).
+    worker's end of a socketpair with its agent's token scheduler (:mod:`runtime.mesh`);
+    ``mesh_page_fd``: the memfd of the page it publishes its requests in for the agent.
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -372,6 +386,13 @@ def serve(
     state = WorkerState(sandbox=FunctionSandbox(function_layer))
     if mesh_fd is not None:
         state.mesh_sock = socket.socket(fileno=mesh_fd)
+    if mesh_page_fd is not None:
+        import mmap
+
+        from runtime.mesh.state_page import PAGE_BYTES
+
+        state.mesh_page = mmap.mmap(mesh_page_fd, PAGE_BYTES)
+        os.close(mesh_page_fd)
     from gpu_pool.client import premap as map_arena
 
     for model_dir in preload or []:

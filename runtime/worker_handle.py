@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ class WorkerHandle:
     assigned: AssignMessage | None = None  # what made it an instance (a standby is prepared from it)
     # The agent's end of the worker's line to the token scheduler (runtime.mesh.grant_server).
     mesh_sock: socket.socket | None = field(default=None, repr=False)
+    mesh_page: mmap.mmap | None = field(default=None, repr=False)  # its requests (read-only here)
 
     @property
     def pid(self) -> int:
@@ -62,6 +64,8 @@ class WorkerHandle:
                 await self.proc.wait()
         if self.mesh_sock is not None:
             self.mesh_sock.close()
+        if self.mesh_page is not None:
+            self.mesh_page.close()
 
     def kill(self) -> None:
         """SIGKILL, no drain (its pool session is already gone); reap with ``proc.wait()``."""

@@ -14,13 +14,21 @@ from tokenizers import Tokenizer
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, TokenLogprob
-from runtime.engine.scheduler import EngineError, KVCacheExhausted, Scheduler, SchedulerConfig
+from runtime.engine.scheduler import (
+    EngineError,
+    KVCacheExhausted,
+    Scheduler,
+    SchedulerConfig,
+    SloUnattainable,
+)
 from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenConstraint
 from runtime.mesh.gate import Gate
 from runtime.mesh.slo import RequestClock, Slo
+from runtime.mesh.state_page import Entry
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
+ADMIT_RETRY_S = 0.05  # a refused request asks the shadow validation again this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +103,46 @@ class Engine:
         # Token-level scheduling of the device (runtime.mesh): run_forever steps only with a grant.
         self.gate: Gate | None = None
         self.slo = Slo()
+        self.avg_out = 0.0  # output tokens of finished requests: a running mean (LLM-Mesh's O-bar)
+        self._num_finished = 0
 
     def schedule_with(self, gate: Gate, slo: Slo) -> None:
         """Step only when ``gate`` grants the device, asking with the deadline (LLM-Mesh Eq. 1,
         under ``slo``) of the most urgent unfinished request (see :meth:`urgency`)."""
         self.gate, self.slo = gate, slo
+
+    async def admit(self, prompt_tokens: int, n: int = 1) -> float:
+        """Wait until the token scheduler's shadow validation admits ``n`` sequences of
+        ``prompt_tokens`` (at once without a gate); returns the arrival time their SLO counts
+        from. :class:`SloUnattainable` once the first token could no longer come in time."""
+        arrival = time.monotonic()
+        gate = self.gate
+        if gate is None:
+            return arrival
+        due = arrival + self.slo.ttft_for(prompt_tokens)
+        try:
+            for _ in range(n):
+                while (case := await gate.admit(prompt_tokens)) != 0:
+                    if time.monotonic() + ADMIT_RETRY_S > due:
+                        raise SloUnattainable(
+                            f"the device cannot start {prompt_tokens} prompt tokens within the "
+                            f"{self.slo.ttft_for(prompt_tokens):g} s TTFT SLO without missing an SLO "
+                            f"(shadow validation case {case}); retry later"
+                        )
+                    await asyncio.sleep(ADMIT_RETRY_S)  # requests finish meanwhile: ask again
+        except (OSError, ValueError) as exc:  # GateClosed, WireError: the agent is gone
+            log.error("token scheduling ends, the instance runs on its own: %s", exc)
+            self.gate = None
+        return arrival
+
+    def publish_state(self) -> None:
+        """Write the unfinished requests into the gate's state page (the agent's admissions
+        read it: runtime.mesh.state_page)."""
+        page = self.gate.page if self.gate is not None else None
+        if page is None:
+            return
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        page.write(self.avg_out, (Entry(s.arrival, len(s.prompt_ids), len(s.output_ids)) for s in seqs))
 
     def urgency(self) -> float:
         """The deadline of the most urgent unfinished request (monotonic seconds; inf: none)."""
@@ -108,7 +151,11 @@ class Engine:
         return min((c.deadline() for c in clocks), default=float("inf"))
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None = None,
+        arrival: float | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step boundary. A ``constraint``
         (runtime.structured) masks its tokens to a grammar and finishes it when that completes."""
@@ -120,9 +167,12 @@ class Engine:
                 f"context of {self.max_context} tokens"
             )
         seq = Sequence(next(self._ids), list(prompt_ids), params, constraint=constraint)
+        if arrival is not None:  # admitted after waiting: its SLO counts from when it came
+            seq.arrival = arrival
         self.seqs[seq.seq_id] = seq
         self._text[seq.seq_id] = _TextState()
         self.scheduler.add(seq)
+        self.publish_state()
         self._work.set()
         return seq.seq_id
 
@@ -171,6 +221,8 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.runner.forget(seq)
+                self._num_finished += 1  # a mean over the last ~100 finished requests
+                self.avg_out += (len(seq.output_ids) - self.avg_out) / min(self._num_finished, 100)
             out = StepOutput(seq.seq_id, token, delta, reason, cached_tokens=seq.cached_tokens or 0)
             out.logprob = logprob
             if first:
@@ -227,11 +279,15 @@ class Engine:
         self._text.pop(seq_id, None)
 
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None = None,
+        arrival: float | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs as steps produce them (someone must drive
-        :meth:`step`, e.g. :meth:`run_forever`)."""
-        seq_id = self.add_request(prompt_ids, params, constraint)
+        :meth:`step`, e.g. :meth:`run_forever`); ``arrival``: see :meth:`admit`."""
+        seq_id = self.add_request(prompt_ids, params, constraint, arrival)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[seq_id] = queue
         try:
@@ -277,6 +333,7 @@ class Engine:
                             self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
                 finally:
                     if gate is not None:
+                        self.publish_state()
                         self._release(gate)
                 await asyncio.sleep(0)
             else:

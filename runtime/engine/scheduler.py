@@ -29,6 +29,13 @@ class KVCacheExhausted(RequestFailed):
     code = "kv_cache_exhausted"
 
 
+class SloUnattainable(RequestFailed):
+    """The device cannot take the request without missing its SLO or its neighbours' (the
+    token scheduler's shadow validation refused it until its first token was due)."""
+
+    code = "slo_unattainable"
+
+
 class EngineError(RequestFailed):
     """A step of the engine failed (a bug or a broken input); its requests fail, others go on."""
 

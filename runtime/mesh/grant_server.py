@@ -11,12 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 
+from runtime.mesh.admission import InstanceView, admit
 from runtime.mesh.config import TokenSchedulingConfig
+from runtime.mesh.shadow import Case, Verdict
 from runtime.mesh.token_scheduler import TokenScheduler
 from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
 log = logging.getLogger("ember.agent")
+CASES = tuple(Case)  # a verdict's number is its case's position here, plus one
+
+
+def _case_number(verdict: Verdict) -> float:
+    assert verdict.case is not None
+    return float(CASES.index(verdict.case) + 1)
 
 
 class DeviceGrants:
@@ -27,21 +36,27 @@ class DeviceGrants:
         self.config = config or TokenSchedulingConfig(enabled=True)
         self.scheduler = TokenScheduler()
         self._socks: dict[str, socket.socket] = {}
+        self._views: dict[str, InstanceView] = {}
+        self.num_admitted = 0
+        self.num_refused = 0
         self._overdue: asyncio.TimerHandle | None = None
 
     @property
     def instance_ids(self) -> list[str]:
         return list(self._socks)
 
-    def attach(self, instance_id: str, sock: socket.socket) -> None:
-        """Schedule ``instance_id``, whose worker holds the other end of ``sock``."""
+    def attach(self, instance_id: str, sock: socket.socket, view: InstanceView) -> None:
+        """Schedule ``instance_id``, whose worker holds the other end of ``sock``; ``view`` is
+        what its admissions are validated with."""
         sock.setblocking(False)
         self._socks[instance_id] = sock
+        self._views[instance_id] = view
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, instance_id)
 
     def detach(self, instance_id: str) -> None:
         """The instance ended (its socket stays open: the worker handle owns it)."""
         sock = self._socks.pop(instance_id, None)
+        self._views.pop(instance_id, None)
         if sock is not None:
             asyncio.get_running_loop().remove_reader(sock.fileno())
         if self.scheduler.running == instance_id and self._overdue is not None:
@@ -84,6 +99,13 @@ class DeviceGrants:
         elif message.op is Op.DONE:
             if s.running == instance_id:  # else: a grant taken back for running too long
                 self._done(instance_id)
+        elif message.op is Op.ADMIT:
+            verdict = admit(self._views, instance_id, int(message.value), time.monotonic())
+            if verdict.admit:
+                self.num_admitted += 1
+            else:
+                self.num_refused += 1
+            self._send(instance_id, Message(Op.VERDICT, 0.0 if verdict.admit else _case_number(verdict)))
         else:
             raise WireError(f"a worker may not send {message.op.name}")
 

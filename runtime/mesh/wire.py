@@ -4,7 +4,8 @@ per worker, made by the agent when it starts the worker: no path, no one else ca
 Every message is 10 bytes: version (1 byte), op (1 byte), a little-endian double. ``WANT``
 carries the deadline of the instance's most urgent request (monotonic seconds, Eq. 1);
 ``GRANT`` carries 1.0 when the grant is a lease (:mod:`runtime.mesh.token_scheduler`);
-``DONE`` and ``YIELD`` carry 0.
+``ADMIT`` the prompt tokens of a request asking to join, ``VERDICT`` the answer (0: admitted,
+else the number of the shadow validation's failed case); ``DONE`` and ``YIELD`` carry 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class Op(enum.IntEnum):
     DONE = 2  # worker -> agent: my iteration is over / I give my lease back
     GRANT = 3  # agent -> worker: run it (value: 1.0 when leased)
     YIELD = 4  # agent -> worker: another instance waits; give the lease back after this iteration
+    ADMIT = 5  # worker -> agent: may a request of this many prompt tokens join? (shadow validation)
+    VERDICT = 6  # agent -> worker: 0 admitted, else the failed case (runtime.mesh.shadow.Case)
 
 
 class WireError(ValueError):

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.zoo import Zoo, build
+from bench.zoo import Zoo, build, function_spec
 from gateway.spawn import ServeProcess
 from tests.gateway.conftest import serve_zoo
 
@@ -78,3 +78,28 @@ def test_two_functions_share_the_cpu_token_by_token(server: ServeProcess) -> Non
             tokens = cpu_tokens(http)
         assert tokens["instances"] == 2
         assert tokens["grants"] >= 2  # both instances were granted the device
+
+
+def test_a_request_the_device_cannot_serve_within_its_slo_gets_a_clear_503(
+    server: ServeProcess, zoo: Zoo
+) -> None:
+    """Shadow validation (LLM-Mesh §5.3): a function whose SLO the device cannot meet has its
+    requests refused before any byte of an answer, with Retry-After, once their first token
+    could no longer come in time; the device's other function keeps serving."""
+    spec = function_spec(zoo.model("tiny-a-bf16"), keep_alive="60s")
+    spec["metadata"] = {"name": "impatient"}
+    # No decode iteration takes 0.1 ms: one token per TPOT is out of reach (shadow case 3).
+    spec["spec"]["slo"] = {"ttft": "2s", "tpot": "0.1ms"}  # type: ignore[index]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        assert http.post("/v1/functions", json=spec).status_code == 201
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        refused = http.post("/v1/chat/completions", json={**body, "model": "impatient"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "slo_unattainable"
+        assert refused.headers["retry-after"] == "1"
+        served = http.post("/v1/chat/completions", json={**body, "model": "tiny-a-bf16"})
+        assert served.status_code == 200, served.text
+        deadline = time.monotonic() + 10
+        while cpu_tokens(http).get("refused", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cpu_tokens(http)["refused"] >= 1

@@ -4,23 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from runtime.mesh.admission import InstanceView
 from runtime.mesh.config import TokenSchedulingConfig
 from runtime.mesh.gate import Gate
 from runtime.mesh.grant_server import DeviceGrants
+from runtime.mesh.slo import Slo
+from runtime.mesh.state_page import PAGE_BYTES, Entry, StatePage
+from runtime.mesh.time_table import TimeTable
 from runtime.mesh.wire import Message, Op, WireError, decode, encode
 
 
-def pair(grants: DeviceGrants, instance_id: str) -> Gate:
-    """A gate whose agent end ``grants`` schedules (the agent end closes with ``grants.close``
-    here; in the agent the worker's handle owns it)."""
+def view(table: TimeTable | None = None, slo: Slo | None = None) -> tuple[InstanceView, StatePage]:
+    """An instance's view for the agent and the page its engine writes (one buffer)."""
+    buf = memoryview(bytearray(PAGE_BYTES))
+    return InstanceView(StatePage(buf), table, slo or Slo(), 4096), StatePage(buf)
+
+
+def pair(grants: DeviceGrants, instance_id: str, table: TimeTable | None = None) -> Gate:
+    """A gate whose agent end ``grants`` schedules (the agent end is closed after the test;
+    in the agent the worker's handle owns it)."""
     agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    grants.attach(instance_id, agent_end)
+    agent_view, page = view(table)
+    grants.attach(instance_id, agent_end, agent_view)
     AGENT_ENDS.append(agent_end)
-    return Gate(worker_end)
+    return Gate(worker_end, page)
 
 
 AGENT_ENDS: list[socket.socket] = []
@@ -97,7 +109,7 @@ async def _test_a_stuck_instance_is_taken_back_and_a_dead_one_forgotten() -> Non
 async def _test_a_worker_speaking_out_of_turn_is_cut_off() -> None:
     grants = DeviceGrants("cpu")
     agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    grants.attach("rogue", agent_end)
+    grants.attach("rogue", agent_end, view()[0])
     worker_end.send(encode(Message(Op.GRANT, 1.0)))  # only the agent grants
     await asyncio.sleep(0.01)
     assert grants.instance_ids == []
@@ -141,3 +153,35 @@ def test_a_stuck_instance_is_taken_back_and_a_dead_one_forgotten() -> None:
 
 def test_a_worker_speaking_out_of_turn_is_cut_off() -> None:
     asyncio.run(_test_a_worker_speaking_out_of_turn_is_cut_off())
+
+
+def flat_table(prefill_per_token_s: float, decode_s: float) -> TimeTable:
+    return TimeTable(
+        (1, 1024), (prefill_per_token_s, prefill_per_token_s * 1024), (1, 64), (1, 4096),
+        ((decode_s, decode_s), (decode_s, decode_s)),
+    )  # fmt: skip
+
+
+async def _test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo() -> None:
+    grants = DeviceGrants("cpu")
+    table = flat_table(0.001, 0.01)  # 1 ms per prompt token
+    a, b = pair(grants, "a", table), pair(grants, "b", table)
+    assert await a.admit(100) == 0  # an idle device: 0.11 s of prefill fits the 2 s TTFT
+    # b holds a 1500-token prompt waiting for its prefill (1.65 s with the margin), due in
+    # 2.43 s (its TTFT SLO is 1500 / 512 s). A 1000-token request on a is due sooner (2 s), so
+    # it would run first (1.1 s) and b's first token would come at 2.75 s: case 2.
+    assert b.page is not None
+    b.page.write(0.0, [Entry(time.monotonic() - 0.5, 1500, 0)])
+    assert await a.admit(1000) == 2
+    assert await a.admit(100) == 0  # 0.11 s first: b still in time
+    assert grants.num_admitted == 2 and grants.num_refused == 1
+    c = pair(grants, "c", flat_table(0.01, 0.01))  # 10 ms per prompt token
+    assert await c.admit(1000) == 1  # case 1: 11 s of prefill against a 2 s TTFT SLO
+    assert grants.num_refused == 2
+    for g in (a, b, c):
+        g.close()
+    grants.close()
+
+
+def test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo() -> None:
+    asyncio.run(_test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo())
