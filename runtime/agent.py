@@ -243,6 +243,7 @@ class NodeAgent:
             start.deadline,
             start.threads,
             prepared.kv_quota_bytes,
+            dict(start.model.get("adapters") or {}),
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
         try:
@@ -314,7 +315,15 @@ class NodeAgent:
         socket_path = self.pools[device].socket_path
         try:
             return AssignMessage(
-                start.instance_id, spec, model_dir, socket_path, ticket, start.deadline, start.threads, quota
+                start.instance_id,
+                spec,
+                model_dir,
+                socket_path,
+                ticket,
+                start.deadline,
+                start.threads,
+                quota,
+                dict(start.model.get("adapters") or {}),
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {start.instance_id}: {exc}") from None
