@@ -546,9 +546,10 @@ def build_openwhisk_worker(env: Mapping[str, str]) -> OpenWhiskWorker:
 def _openwhisk_assignment(
     value: InitValue, home: Path, pool_socket: str, spec_file: str | None
 ) -> AssignMessage:
-    """``/init``'s spec, its model registered under ``home``: the action's assignment."""
+    """``/init``'s spec, its model and LoRA adapters registered under ``home``: the action's assignment."""
     import time
 
+    from runtime.adapters import register_adapter
     from runtime.messages import AssignMessage
     from runtime.registry import register
     from scheduler.spec import parse_function_yaml
@@ -570,9 +571,16 @@ def _openwhisk_assignment(
             raise ValueError(f"handler {module!r} is not a module under the image's {functions}")
         body["handler"] = f"{path}:{function}"
     model = register(body["model"]["source"], body["model"]["dtype"], home=home)
+    lora_dtype = "float32" if body["model"]["dtype"] == "float32" else "bfloat16"
+    adapters = {
+        a["name"]: str(register_adapter(a["source"], lora_dtype, home=home).directory)
+        for a in body["model"]["adapters"]
+    }
     deadline = time.time() + INIT_TIMEOUT_S
     instance_id = value.name or "openwhisk"
-    return AssignMessage(instance_id, document, str(model.directory), pool_socket, None, deadline)
+    return AssignMessage(
+        instance_id, document, str(model.directory), pool_socket, None, deadline, adapters=adapters
+    )
 
 
 # ----- cluster mode: the node daemon (the pool DaemonSet) --------------------------------------

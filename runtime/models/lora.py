@@ -151,13 +151,21 @@ class LoraAdapter:
             raise LoraError(f"adapter {key} has no LoRA tensors for this base's layers")
         return cls(key, config.scale, tuple(layers))
 
-    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
-        """``scale * (x A^T) B^T`` for ``x`` (rows, in), or None when the module is not adapted."""
+    def add_to(
+        self, y: torch.Tensor, layer: int, module: str, x: torch.Tensor, rows: torch.Tensor | None
+    ) -> None:
+        """``y[rows] += scale * (x[rows] A^T) B^T`` in place (every row when ``rows`` is None);
+        nothing when the module is not adapted. The scale and the add ride in the second GEMM
+        (``addmm_`` / ``index_add_``'s alpha): no pass over the (rows, out) output of its own."""
         ab = self.layers[layer].get(module)
         if ab is None:
-            return None
+            return
         a, b = ab
-        return F.linear(F.linear(x.to(a.dtype), a), b).mul_(self.scale).to(x.dtype)
+        if rows is None:
+            y.addmm_(F.linear(x.to(a.dtype), a).to(y.dtype), b.t().to(y.dtype), alpha=self.scale)
+        else:
+            d = F.linear(F.linear(x[rows].to(a.dtype), a), b).to(y.dtype)
+            y.index_add_(0, rows, d, alpha=self.scale)
 
 
 # A projection with LoRA: (layer, module, x, weight, bias) -> y.
@@ -208,12 +216,5 @@ class LoraBatch:
         """The base projection plus each group's adapter delta on its own rows."""
         y = linear(x, weight, bias)
         for adapter, rows in self.groups:
-            if rows is None:
-                d = adapter.delta(layer, module, x)
-                if d is not None:
-                    y = y.add_(d)
-            else:
-                d = adapter.delta(layer, module, x[rows])
-                if d is not None:
-                    y = y.index_add_(0, rows, d)
+            adapter.add_to(y, layer, module, x, rows)
         return y
