@@ -25,7 +25,7 @@ from typing import Any
 from runtime.errors import RegistrationError
 from runtime.model_formats import ModelFormatError, check_safetensors
 from runtime.models.lora import LoraAdapter, LoraConfig, LoraError, canonical_name
-from runtime.registry import _fsync_tree, _lock, models_dir
+from runtime.registry import file_lock, fsync_tree, models_dir
 from runtime.sources import SourceRoots, resolve_adapter
 
 _RECORD = "registration.json"
@@ -100,7 +100,7 @@ def register_adapter(
     root = adapters_dir(home)
     root.mkdir(parents=True, exist_ok=True)
     final = root / adapter_id
-    with _lock(root / f".lock-{adapter_id}"):
+    with file_lock(root / f".lock-{adapter_id}"):
         if (final / _RECORD).is_file():
             return load_adapter(final)
         for stale in root.glob(f"{_TMP_PREFIX}{adapter_id}-*"):  # a crashed registration's
@@ -121,7 +121,7 @@ def register_adapter(
                 "targets": list(config.targets),
             }
             (tmp / _RECORD).write_text(json.dumps(record, indent=1))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,10 +166,6 @@ class LoraAdapter:
         else:
             d = F.linear(F.linear(x[rows].to(a.dtype), a), b).to(y.dtype)
             y.index_add_(0, rows, d, alpha=self.scale)
-
-
-# A projection with LoRA: (layer, module, x, weight, bias) -> y.
-Projection = Callable[..., torch.Tensor]
 
 
 def plain(
