@@ -55,6 +55,7 @@ from scheduler.state import ClusterState
 __all__ = [
     "ERROR_STATUS",
     "HANDLED",
+    "AdapterRegistrar",
     "Deployments",
     "GatewayConfig",
     "ModelSourceError",
@@ -69,6 +70,9 @@ log = logging.getLogger("ember.gateway")
 # (source, dtype) -> the model's reference as the agent returns it ({id, dir, weight_bytes},
 # decoded by ModelRef.decode); raises ModelSourceError
 Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
+# ((name, source) of each LoRA adapter of spec.model.adapters, the base's dtype) -> name ->
+# registered adapter directory; raises ModelSourceError
+AdapterRegistrar = Callable[[list[tuple[str, str]], str], Awaitable[dict[str, str]]]
 
 
 class Deployments(Protocol):
@@ -119,6 +123,8 @@ class Serving:
     # Cluster mode: deploys and deletes apply each function's Knative Service; describe and list
     # show its readiness (a ``status.knative`` block).
     deployments: Deployments | None = None
+    # LoRA adapters of spec.model.adapters (None: this mode serves none; such a deploy is a 400).
+    register_adapters: AdapterRegistrar | None = None
 
 
 def create_app(

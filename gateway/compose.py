@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.app import GatewayConfig, ModelSourceError, Registrar, Serving, create_app
+from gateway.app import AdapterRegistrar, GatewayConfig, ModelSourceError, Registrar, Serving, create_app
 from gateway.function_code import FunctionCodeConfig
 from gateway.health import Readiness
 from gateway.limits import DeployLimits, EdgeLimits
@@ -158,6 +158,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
         [router.run, *background],
         Readiness(state.r.ping, agent.pools_alive, agent.warm_ready),
         agent.evict,
+        register_adapters=_adapter_registrar(agent.config.home),
     )
     app = create_app(state, gateway_config, serving)
     return EmbeddedNode(gateway_config, state, agent, router, invoker, metrics, app, redis_server, spawner)
@@ -175,6 +176,26 @@ def _registrar(agent: NodeAgent) -> Registrar:
             raise ModelSourceError(f"spec.model.source: {exc}") from None
         print(f"ember serve: model {model['id']} ready", file=sys.stderr, flush=True)
         return model
+
+    return register
+
+
+def _adapter_registrar(home: Path) -> AdapterRegistrar:
+    """LoRA adapter registration for the deploy route (:mod:`runtime.adapters`), errors 400s
+    naming the adapter. Adapters are stored in the base's activation dtype."""
+    from runtime.adapters import register_adapter
+    from runtime.errors import EmberRuntimeError
+
+    async def register(adapters: list[tuple[str, str]], dtype: str) -> dict[str, str]:
+        lora_dtype = "float32" if dtype == "float32" else "bfloat16"
+        out = {}
+        for i, (name, source) in enumerate(adapters):
+            try:
+                adapter = await asyncio.to_thread(register_adapter, source, lora_dtype, home)
+            except (EmberRuntimeError, ValueError, OSError) as exc:
+                raise ModelSourceError(f"spec.model.adapters.{i}.source: {exc}") from None
+            out[name] = str(adapter.directory)
+        return out
 
     return register
 
@@ -527,9 +548,10 @@ def build_openwhisk_worker(env: Mapping[str, str]) -> OpenWhiskWorker:
 def _openwhisk_assignment(
     value: InitValue, home: Path, pool_socket: str, spec_file: str | None
 ) -> AssignMessage:
-    """``/init``'s spec, its model registered under ``home``: the action's assignment."""
+    """``/init``'s spec, its model and LoRA adapters registered under ``home``: the action's assignment."""
     import time
 
+    from runtime.adapters import register_adapter
     from runtime.messages import AssignMessage
     from runtime.registry import register
     from scheduler.spec import parse_function_yaml
@@ -551,9 +573,16 @@ def _openwhisk_assignment(
             raise ValueError(f"handler {module!r} is not a module under the image's {functions}")
         body["handler"] = f"{path}:{function}"
     model = register(body["model"]["source"], body["model"]["dtype"], home=home)
+    lora_dtype = "float32" if body["model"]["dtype"] == "float32" else "bfloat16"
+    adapters = {
+        a["name"]: str(register_adapter(a["source"], lora_dtype, home=home).directory)
+        for a in body["model"]["adapters"]
+    }
     deadline = time.time() + INIT_TIMEOUT_S
     instance_id = value.name or "openwhisk"
-    return AssignMessage(instance_id, document, str(model.directory), pool_socket, None, deadline)
+    return AssignMessage(
+        instance_id, document, str(model.directory), pool_socket, None, deadline, adapters=adapters
+    )
 
 
 # ----- cluster mode: the node daemon (the pool DaemonSet) --------------------------------------

@@ -257,13 +257,14 @@ def _error_type(content: bytes) -> str:
 
 
 def request_model(parsed: Any) -> str:
-    """The function an OpenAI request (its parsed body) names in ``model``, or a
-    :class:`SchedulerError` (HTTP 400 / 404)."""
+    """The function an OpenAI request (its parsed body) names in ``model`` (``FUNCTION`` or
+    ``FUNCTION:ADAPTER``), or a :class:`SchedulerError` (HTTP 400 / 404)."""
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
         raise BadRequest("model: the name of a deployed function is required")
     if not parsed["model"].isascii():  # function names are DNS labels; this also keeps lone surrogates out
         raise FunctionNotFound(f"function {parsed['model']!r} is not deployed")
-    return str(parsed["model"])
+    # FUNCTION:ADAPTER selects one of the function's LoRA adapters (its instance checks the name).
+    return str(parsed["model"]).partition(":")[0]
 
 
 class BadRequest(SchedulerError):

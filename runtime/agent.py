@@ -259,6 +259,7 @@ class NodeAgent:
             start.threads,
             prepared.kv_quota_bytes,
             start.take_turns,
+            dict(start.model.get("adapters") or {}),
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
         try:
@@ -344,6 +345,7 @@ class NodeAgent:
                 start.threads,
                 quota,
                 start.take_turns,
+                dict(start.model.get("adapters") or {}),
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {start.instance_id}: {exc}") from None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime.errors import EmberRuntimeError
-from runtime.instance import ModelBinding, ModelTemplate, bind, bind_at
+from runtime.instance import ModelBinding, ModelTemplate, bind, bind_at, load_adapters
 from runtime.messages import AssignMessage, AssignReply, StandbyMessage, StandbyReply
 from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
@@ -173,7 +173,8 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
         # The ticket (granted by the agent, the pool's admin) gives this session its KV quota.
         client = _session(state, message.pool_socket, message.pool_ticket)
         try:
-            return bind(template, client, message.max_tokens, message.kv_quota_bytes), client
+            adapters = load_adapters(tuple(message.adapters.items()))
+            return bind(template, client, message.max_tokens, message.kv_quota_bytes, adapters), client
         except BaseException:
             client.close()
             raise
@@ -237,6 +238,9 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
             binding = bind_at(template, client, placements, max_tokens, message.kv_quota_bytes, timings)
         else:
             binding.acquire_report = client.last_acquire
+        # LoRA adapters are dynamic (session-private): the standby held none, the instance
+        # acquires its own now, beside the shared base.
+        binding.attach_adapters(client, load_adapters(tuple(message.adapters.items())))
     except BaseException:
         standby.close()
         raise

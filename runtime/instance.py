@@ -36,6 +36,7 @@ from runtime.registry import RegisteredModel, load
 from runtime.token_text import TokenText
 
 if TYPE_CHECKING:  # torch-importing modules: loaded by the first constrained request only
+    from runtime.adapters import RegisteredAdapter
     from runtime.structured.cache import GrammarCache
     from runtime.structured.constraint import Constraint
 
@@ -52,6 +53,29 @@ class ModelTemplate:
     chat: ChatTemplate
     # The pool manifest (gpu_pool.manifest.Manifest), read and encoded once: every acquire sends it.
     manifest: Any
+
+
+@dataclass(frozen=True)
+class AdapterTemplate:
+    """A LoRA adapter of the function (``spec.model.adapters``): its name in requests and its
+    registered entry, the manifest read and encoded once (every instance acquires it)."""
+
+    name: str
+    adapter: RegisteredAdapter
+    manifest: Any  # gpu_pool.manifest.Manifest, every tensor dynamic (session-private in the pool)
+
+
+def load_adapters(adapters: tuple[tuple[str, str], ...]) -> tuple[AdapterTemplate, ...]:
+    """The templates of ``(name, registered adapter directory)`` pairs."""
+    from runtime.adapters import load_adapter
+
+    out = []
+    for name, directory in adapters:
+        adapter = load_adapter(Path(directory))
+        manifest = adapter.manifest()
+        manifest.encoded()
+        out.append(AdapterTemplate(name, adapter, manifest))
+    return tuple(out)
 
 
 def load_template(model_dir: Path) -> ModelTemplate:
@@ -126,6 +150,7 @@ class Prepared(NamedTuple):
     params: SamplingParams  # of the first choice (runtime.openai_api.choice_params: the others)
     plan: StructuredPlan | None  # response_format / tools; None: free text
     constraints: list[Constraint] | None  # one per choice; None: unconstrained
+    adapter: str | None = None  # the LoRA adapter's key (the request's model: FUNCTION:ADAPTER)
 
     @property
     def calls_tools(self) -> bool:
@@ -145,6 +170,24 @@ class ModelBinding:
     _tokens: TokenText | None = field(default=None, repr=False)  # built on first logprobs request
     grammars: GrammarCache | None = None  # built by the first constrained request
     kv_quota_blocks: int | None = None  # KV blocks the instance's pool ticket allows (None: no quota)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> key (its id)
+
+    def adapter(self, model: str | None) -> str | None:
+        """The adapter key a request's ``model`` selects: ``FUNCTION:ADAPTER`` (vLLM's
+        convention of one served name per adapter), or None (the plain function name: the
+        base model alone). :class:`RequestError` for an adapter the function does not have."""
+        if model is None or ":" not in model:
+            return None
+        name = model.rpartition(":")[2]
+        key = self.adapters.get(name)
+        if key is None:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise RequestError(
+                f"model: this function has no adapter {name[:64]!r} (adapters: {known})",
+                "model",
+                "model_not_found",
+            )
+        return key
 
     def encode(
         self, request: ChatRequest | CompletionRequest, plan: StructuredPlan | None = None
@@ -221,12 +264,13 @@ class ModelBinding:
                         "logprobs",
                         "unsupported_value",
                     )
+            adapter = self.adapter(request.model)
             ids, params = await self.prepare(request, plan)
             self.check_kv_room(len(ids), params.max_tokens, request.n)
             constraints = await self.constraints(plan, request.n)
         except StructuredError as exc:
             raise RequestError(str(exc), getattr(exc, "param", None), "invalid_value") from None
-        return Prepared(ids, params, plan, constraints)
+        return Prepared(ids, params, plan, constraints, adapter)
 
     def check_kv_room(self, prompt_len: int, max_tokens: int, n: int) -> None:
         """:class:`RequestError` when ``n`` choices of ``prompt_len + max_tokens`` tokens need
@@ -256,13 +300,15 @@ class ModelBinding:
         n: int = 1,
         constraints: list[Constraint] | None = None,
         arrival: float | None = None,
+        adapter: str | None = None,
     ) -> list[AsyncIterator[StepOutput]]:
         """One engine stream per choice (:func:`~runtime.openai_api.choice_params`), each under
-        its own constraint when given; each adds its sequence when first iterated.
-        ``arrival``: when the request came (its SLO counts from then; see ``Engine.admit``)."""
+        its own constraint when given and with LoRA ``adapter`` (a key of :attr:`adapters`' values);
+        each adds its sequence when first iterated. ``arrival``: when the request came (its SLO
+        counts from then; see ``Engine.admit``)."""
         return [
             self.engine.stream(
-                ids, choice_params(params, i), constraints[i] if constraints else None, arrival
+                ids, choice_params(params, i), constraints[i] if constraints else None, arrival, adapter
             )
             for i in range(n)
         ]
@@ -281,9 +327,26 @@ class ModelBinding:
         params: SamplingParams,
         n: int = 1,
         constraints: list[Constraint] | None = None,
+        adapter: str | None = None,
     ) -> Completion:
         """Run one request (``n`` choices) to completion."""
-        return await collect(self.streams(ids, params, n, constraints), ids, self.reporter(params))
+        return await collect(
+            self.streams(ids, params, n, constraints, adapter=adapter), ids, self.reporter(params)
+        )
+
+    def attach_adapters(self, client: Any, adapters: tuple[AdapterTemplate, ...]) -> None:
+        """Acquire ``adapters`` in ``client``'s session (dynamic: private to it, loaded on every
+        start, dropped with the session) and bind them to the engine's model beside the shared
+        static base. :class:`runtime.models.lora.LoraError` when one does not fit the base."""
+        if not adapters:
+            return
+        t0 = time.perf_counter()
+        model = self.engine.runner.model
+        for a in adapters:
+            views = client.views(a.manifest, client.acquire_placements(a.manifest))
+            model.adapters[a.adapter.adapter_id] = a.adapter.bind(views, model)
+            self.adapters[a.name] = a.adapter.adapter_id
+        self.timings_ms["adapters_ms"] = (time.perf_counter() - t0) * 1e3
 
 
 def _block_prefill_s(profile: dict[str, Any]) -> float:
@@ -296,18 +359,29 @@ def _block_prefill_s(profile: dict[str, Any]) -> float:
 
 
 def bind(
-    template: ModelTemplate, client: Any, max_tokens: int, kv_quota_bytes: int | None = None
+    template: ModelTemplate,
+    client: Any,
+    max_tokens: int,
+    kv_quota_bytes: int | None = None,
+    adapters: tuple[AdapterTemplate, ...] = (),
 ) -> ModelBinding:
     """Build a serving engine from the pool: acquire (resident tensors are not copied), views, KV.
 
     ``client`` is a connected :class:`gpu_pool.client.PoolClient`; it stays open for as long
     as the binding serves (closing it releases the weights, which stay resident).
     ``kv_quota_bytes``: what the instance's pool ticket allows (see :meth:`ModelBinding.check_kv_room`).
+    ``adapters``: the function's LoRA adapters (:meth:`ModelBinding.attach_adapters`).
     """
     t0 = time.perf_counter()
     placements = client.acquire_placements(template.manifest)
     timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
-    return bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings)
+    binding = bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings)
+    try:
+        binding.attach_adapters(client, adapters)
+    except BaseException:
+        binding.engine.close()
+        raise
+    return binding
 
 
 def bind_at(

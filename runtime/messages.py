@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpu_pool.acquire_report import AcquireReport
@@ -26,6 +26,7 @@ MAX_THREADS = 4096  # intra-op threads of one instance
 MAX_QUOTA_BYTES = 1 << 50  # far above any device's memory
 MAX_TIMINGS = 64  # named steps in an assign reply's timings
 MAX_TIMING_NAME = 64  # characters of a step's name
+MAX_ADAPTERS = 16  # LoRA adapters of one function (scheduler.spec.MAX_ADAPTERS)
 
 
 class MessageError(ValueError):
@@ -122,11 +123,18 @@ class AssignMessage(_FunctionMessage):
     kv_quota_bytes: int | None = None
     # The agent schedules the device token by token (runtime.mesh): step only with its grants.
     token_scheduling: bool = False
+    # The function's LoRA adapters (spec.model.adapters), registered: name -> adapter directory.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _text(self.instance_id, "instance_id")
         if not isinstance(self.token_scheduling, bool):
             raise MessageError("token_scheduling must be a boolean")
+        if not isinstance(self.adapters, dict) or len(self.adapters) > MAX_ADAPTERS:
+            raise MessageError(f"adapters must be an object of at most {MAX_ADAPTERS} name -> directory")
+        for name, directory in self.adapters.items():
+            _text(name, "an adapter's name")
+            _text(directory, "an adapter's directory")
         n = self.num_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
             raise MessageError(f"num_threads must be null or a positive integer (at most {MAX_THREADS})")
@@ -143,7 +151,9 @@ class AssignMessage(_FunctionMessage):
     def from_json(cls, raw: bytes | str) -> AssignMessage:
         """The message in ``raw``; :class:`MessageError` if it is not one."""
         fields = frozenset(cls.__dataclass_fields__)
-        data = _object(raw, fields, fields - {"num_threads", "kv_quota_bytes", "token_scheduling"})
+        data = _object(
+            raw, fields, fields - {"num_threads", "kv_quota_bytes", "token_scheduling", "adapters"}
+        )
         return cls(**data)
 
 

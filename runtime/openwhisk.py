@@ -265,7 +265,9 @@ async def _activate(action: ActionState, activation: Activation) -> dict[str, An
             # prepare_all, as on /v1/chat/completions: response_format and tools are honoured
             # (constrained decoding, calls read back), never accepted and then ignored.
             prepared = await a.binding.prepare_all(request)
-            done = await a.binding.complete(prepared.ids, prepared.params, request.n, prepared.constraints)
+            done = await a.binding.complete(
+                prepared.ids, prepared.params, request.n, prepared.constraints, prepared.adapter
+            )
         except RequestError as exc:
             raise ActionError(400, str(exc)) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{activation.activation_id}"

@@ -111,7 +111,7 @@ def register(
     content_hash = src.content_hash()
     model_id = f"{_slug(src)}-{content_hash[:12]}-{_ID_SUFFIX[dtype]}"
     final = root / model_id
-    with _lock(root / f".lock-{model_id}"):
+    with file_lock(root / f".lock-{model_id}"):
         if (final / _RECORD).is_file():
             return load(final)
         _remove_stale_temporaries(root, model_id)
@@ -134,7 +134,7 @@ def register(
                 "seconds": round(time.perf_counter() - start, 3),
             }
             (tmp / _RECORD).write_text(json.dumps(record, indent=1))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -282,7 +282,7 @@ def _slug(src: ModelSource) -> str:
 
 
 @contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
@@ -300,7 +300,7 @@ def _remove_stale_temporaries(root: Path, model_id: str) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
-def _fsync_tree(directory: Path) -> None:
+def fsync_tree(directory: Path) -> None:
     for path in directory.rglob("*"):
         if path.is_file():
             with open(path, "rb") as f:

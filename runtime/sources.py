@@ -152,6 +152,29 @@ def resolve(source: str, roots: SourceRoots | None = None) -> ModelSource:
     return source_kind
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA directory
+
+
+def resolve_adapter(source: str, roots: SourceRoots | None = None) -> ModelSource:
+    """Parse and check a LoRA adapter source: ``safetensors:/dir``, a plain directory or a
+    ``pkg:`` directory holding :data:`ADAPTER_FILES`, confined and reported as :func:`resolve`."""
+    roots = SourceRoots.from_env() if roots is None else roots
+    text = source.strip()
+    if text.startswith("pkg:"):
+        path = _package_resource(text, text[4:])
+    elif text.startswith("gguf:"):
+        raise UnknownSourceError(f"adapter source {text!r}: expected a PEFT directory (safetensors:/dir)")
+    else:
+        path = _allowed_path(text, text.removeprefix("safetensors:"), roots)
+    if not path.is_dir() or not all((path / name).is_file() for name in ADAPTER_FILES):
+        raise UnknownSourceError(
+            f"adapter source {text!r}: the directory has no {' and '.join(ADAPTER_FILES)}"
+        )
+    if not text.startswith("pkg:"):
+        _check_directory(text, path, roots)
+    return ModelSource(text, SourceKind.SAFETENSORS, path)
+
+
 def _classify(text: str, path: Path) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(text, SourceKind.GGUF, path)

@@ -266,7 +266,7 @@ def build_app(state: WorkerState) -> FastAPI:
             return _failed(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
-        streams = a.binding.streams(ids, params, request.n, prepared.constraints, arrival)
+        streams = a.binding.streams(ids, params, request.n, prepared.constraints, arrival, prepared.adapter)
         reporter = a.binding.reporter(params)
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)

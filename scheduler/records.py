@@ -23,7 +23,7 @@ from typing import Any
 
 from scheduler import names
 from scheduler.errors import StateConflict
-from scheduler.spec import ScalingSpec
+from scheduler.spec import MAX_ADAPTERS, ScalingSpec
 
 ENCODING_VERSION = 1
 DEFAULT_MAX_TOKENS = 2048  # scheduler.spec.FunctionBody.max_tokens's default
@@ -72,14 +72,21 @@ class ModelRef:
     model_id: str
     dir: str  # its directory in the model store (the agent's launch and preload take it)
     weight_bytes: int
+    # The function's LoRA adapters, registered: (name, directory) pairs (spec.model.adapters).
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_id or not self.dir or self.weight_bytes < 0:
             raise RecordError("a model reference needs an id, a directory and weight_bytes >= 0")
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise RecordError(f"a model reference has at most {MAX_ADAPTERS} adapters")
 
     def encode(self) -> dict[str, Any]:
         """The reference as stored and shown (``/v1/cluster``) and as the launcher takes it."""
-        return {"id": self.model_id, "dir": self.dir, "weight_bytes": self.weight_bytes}
+        out: dict[str, Any] = {"id": self.model_id, "dir": self.dir, "weight_bytes": self.weight_bytes}
+        if self.adapters:
+            out["adapters"] = dict(self.adapters)
+        return out
 
     @classmethod
     def decode(cls, data: Any) -> ModelRef:
@@ -88,7 +95,14 @@ class ModelRef:
             raise RecordError("a model reference must be a mapping with id, dir and weight_bytes")
         if not isinstance(data.get("dir"), str):
             raise RecordError("a model reference's dir must be a string")
-        return cls(data["id"], data["dir"], _int(data.get("weight_bytes"), "weight_bytes"))
+        adapters = data.get("adapters") or {}
+        if not isinstance(adapters, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in adapters.items()
+        ):
+            raise RecordError("a model reference's adapters must map names to directories")
+        return cls(
+            data["id"], data["dir"], _int(data.get("weight_bytes"), "weight_bytes"), tuple(adapters.items())
+        )
 
 
 @dataclass(frozen=True, slots=True)

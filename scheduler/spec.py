@@ -37,6 +37,8 @@ MAX_CONCURRENCY = 1024  # requests in flight per instance
 MAX_TOKENS = 131072  # tokens per request (maxTokens)
 MAX_TEXT = 4096  # characters in a model source or handler reference
 MAX_YAML_DEPTH = 32  # nesting of a spec document (a valid spec needs 4)
+MAX_ADAPTERS = 16  # LoRA adapters of one function (model.adapters)
+_ADAPTER_SOURCE = re.compile(r"^(safetensors:|pkg:[A-Za-z_][\w.]*/|/).+")
 MAX_YAML_NODES = 10_000  # scalars, lists and mappings, aliases expanded (a spec has < 100)
 
 
@@ -83,9 +85,53 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
+def _check_name(name: str, field: str) -> str:
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise ValueError(
+            f"{field} {name!r} must be a DNS-1123 label: lowercase letters, digits and "
+            f"'-', starting and ending with a letter or digit, at most 63 characters"
+        )
+    return name
+
+
+class AdapterSpec(_Strict):
+    """A LoRA adapter of the function's model (a PEFT directory), selected per request as
+    ``<function>:<name>`` in the request's ``model`` field."""
+
+    name: str
+    source: str
+
+    @field_validator("name")
+    @classmethod
+    def _check_adapter_name(cls, name: str) -> str:
+        return _check_name(name, "name")
+
+    @field_validator("source")
+    @classmethod
+    def _check_adapter_source(cls, source: str) -> str:
+        if len(source) > MAX_TEXT:
+            raise ValueError(f"source must be at most {MAX_TEXT} characters")
+        if not _ADAPTER_SOURCE.match(source):
+            raise ValueError(
+                f"source {source!r} must be a PEFT LoRA directory: safetensors:/dir, pkg:PACKAGE/DIR "
+                "or an absolute path"
+            )
+        return source
+
+
 class ModelSpec(_Strict):
     source: str
     dtype: Literal["bfloat16", "float32", "int8", "q4"] = "bfloat16"  # runtime.registry.DTYPES
+    adapters: tuple[AdapterSpec, ...] = Field((), max_length=MAX_ADAPTERS)
+
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapters(cls, adapters: tuple[AdapterSpec, ...]) -> tuple[AdapterSpec, ...]:
+        names = [a.name for a in adapters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"adapter names must be unique; repeated: {', '.join(duplicates)}")
+        return adapters
 
     @field_validator("source")
     @classmethod
@@ -145,12 +191,7 @@ class Metadata(_Strict):
     @field_validator("name", "namespace")
     @classmethod
     def _check_name(cls, name: str, info: ValidationInfo) -> str:
-        if len(name) > 63 or not _DNS_LABEL.match(name):
-            raise ValueError(
-                f"{info.field_name} {name!r} must be a DNS-1123 label: lowercase letters, digits and "
-                f"'-', starting and ending with a letter or digit, at most 63 characters"
-            )
-        return name
+        return _check_name(name, str(info.field_name))
 
 
 class FunctionSpec(_Strict):

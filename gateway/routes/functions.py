@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from gateway.errors import ModelSourceError
 from gateway.function_code import split_upload, store_handler
 from gateway.limits import JSONError, load_json
 from gateway.tenants import Principal
@@ -67,7 +68,14 @@ def function_routes(
         handler = await asyncio.to_thread(store_handler, config.code, function_id, spec.spec.handler, files)
         model = None
         if serving is not None:
-            model = ModelRef.decode(await serving.register(spec.spec.model.source, spec.spec.model.dtype))
+            registered = await serving.register(spec.spec.model.source, spec.spec.model.dtype)
+            if spec.spec.model.adapters:
+                if serving.register_adapters is None:
+                    raise ModelSourceError("spec.model.adapters: LoRA adapters are not served in this mode")
+                pairs = [(a.name, a.source) for a in spec.spec.model.adapters]
+                adapters = await serving.register_adapters(pairs, spec.spec.model.dtype)
+                registered = {**registered, "adapters": adapters}
+            model = ModelRef.decode(registered)
         document = spec.to_document()
         document["spec"]["handler"] = handler  # an uploaded module's stored path
         try:

@@ -53,13 +53,16 @@ def write(
     model_id: str | None = None,
     latency_sensitivity: float = 1.0,
     metadata: dict[str, Any] | None = None,
+    static: bool = True,
 ) -> Manifest:
     """Write a store entry at ``path`` (a directory) from named tensors and return its manifest.
 
     The directory must not exist yet; it is created atomically (written beside it under a
     temporary name, then renamed). ``model_id`` defaults to the directory name. ``metadata``
     (JSON-able, e.g. the model's quantization) is kept in ``manifest.json`` beside the tensor
-    list for :func:`read_metadata`; the pool never reads it (it sees tensors only).
+    list for :func:`read_metadata`; the pool never reads it (it sees tensors only). ``static``
+    false marks every tensor dynamic (a LoRA adapter): the pool keeps it private to the session
+    that acquires it, never shared.
     """
     from safetensors.torch import save_file
 
@@ -79,6 +82,7 @@ def write(
             latency_sensitivity,
             recorded_path=final / TENSORS_FILE,
             order=list(tensors),
+            static=static,
         )
         document = _relative(manifest.to_dict())
         if metadata:
@@ -144,7 +148,12 @@ def verify(manifest: Manifest) -> list[str]:
 
 
 def _manifest_from_safetensors(
-    file: Path, model_id: str, latency_sensitivity: float, recorded_path: Path, order: list[str]
+    file: Path,
+    model_id: str,
+    latency_sensitivity: float,
+    recorded_path: Path,
+    order: list[str],
+    static: bool = True,
 ) -> Manifest:
     """Fingerprint every tensor of a safetensors file and record its absolute byte offset."""
     with open(file, "rb") as f:
@@ -177,6 +186,7 @@ def _manifest_from_safetensors(
                     fingerprint=fp,
                     file=str(recorded_path),
                     offset=data_start + begin,
+                    static=static,
                 )
         finally:
             if mm is not None:

@@ -129,6 +129,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # hash -> the block holding it
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; least recent first
         self.root = root_hash(model_key)
+        self._model_key = model_key
+        self._adapter_roots: dict[str, bytes] = {}
         self.stats = PrefixStats()
         self._published: OrderedDict[bytes, None] = OrderedDict()  # bounded: at most once per hash
         self._max_published = max_published
@@ -174,12 +176,22 @@ class BlockManager:
         if h is not None and self.cached.get(h) == block:
             del self.cached[h]
 
+    def _root(self, adapter: str | None) -> bytes:
+        """The root hash of a sequence run with LoRA ``adapter``: its K/V differ from the base
+        model's (an adapted q/k/v), so its blocks must never match another adapter's."""
+        if adapter is None:
+            return self.root
+        root = self._adapter_roots.get(adapter)
+        if root is None:
+            root = self._adapter_roots[adapter] = root_hash(f"{self._model_key}\0lora:{adapter}")
+        return root
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The hashes of the sequence's first ``num_blocks`` full blocks (computed once each)."""
         hashes, bs = seq.block_hashes, self.block_size
         if len(hashes) < num_blocks:
             tokens = seq.token_ids
-            parent = hashes[-1] if hashes else self.root
+            parent = hashes[-1] if hashes else self._root(seq.adapter)
             for i in range(len(hashes), num_blocks):
                 parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
                 hashes.append(parent)

@@ -156,9 +156,13 @@ class Engine:
         params: SamplingParams,
         constraint: TokenConstraint | None = None,
         arrival: float | None = None,
+        adapter: str | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step boundary. A ``constraint``
-        (runtime.structured) masks its tokens to a grammar and finishes it when that completes."""
+        (runtime.structured) masks its tokens to a grammar and finishes it when that completes.
+        ``adapter``: the key of a LoRA adapter of the model (``LlamaModel.adapters``) it runs with."""
+        if adapter is not None and adapter not in self.runner.model.adapters:
+            raise ValueError(f"the model has no adapter {adapter!r}")
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
         if len(prompt_ids) + params.max_tokens > self.max_context:
@@ -166,7 +170,7 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
                 f"context of {self.max_context} tokens"
             )
-        seq = Sequence(next(self._ids), list(prompt_ids), params, constraint=constraint)
+        seq = Sequence(next(self._ids), list(prompt_ids), params, constraint=constraint, adapter=adapter)
         if arrival is not None:  # admitted after waiting: its SLO counts from when it came
             seq.arrival = arrival
         self.seqs[seq.seq_id] = seq
@@ -244,9 +248,13 @@ class Engine:
         if queue is not None:
             queue.put_nowait(out)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        """Run requests to completion (all admitted at once); the finished sequences."""
-        ids = [self.add_request(p, params) for p in prompts]
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None] | None = None
+    ) -> list[Sequence]:
+        """Run requests to completion (all admitted at once); the finished sequences.
+        ``adapters``: one LoRA adapter key (or None) per prompt."""
+        chosen = adapters if adapters is not None else [None] * len(prompts)
+        ids = [self.add_request(p, params, adapter=a) for p, a in zip(prompts, chosen, strict=True)]
         while self.has_unfinished():
             self.step()
         self._publish()
@@ -284,10 +292,12 @@ class Engine:
         params: SamplingParams,
         constraint: TokenConstraint | None = None,
         arrival: float | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs as steps produce them (someone must drive
-        :meth:`step`, e.g. :meth:`run_forever`); ``arrival``: see :meth:`admit`."""
-        seq_id = self.add_request(prompt_ids, params, constraint, arrival)
+        :meth:`step`, e.g. :meth:`run_forever`); ``arrival``: see :meth:`admit`; ``adapter``:
+        see :meth:`add_request`."""
+        seq_id = self.add_request(prompt_ids, params, constraint, arrival, adapter)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[seq_id] = queue
         try:

@@ -11,6 +11,7 @@ import torch
 from runtime.engine.sampling import TokenLogprob, sample, targets_logprobs, token_logprob
 from runtime.engine.sequence import Sequence
 from runtime.models.llama import Batch, LlamaModel
+from runtime.models.lora import LoraBatch
 
 # Prompt positions whose logits are computed at once for prompt log-probabilities: bounds the
 # (rows x vocab) float32 temporaries (128 x 49152 x 4 B = 24 MiB for SmolLM2).
@@ -77,6 +78,7 @@ class ModelRunner:
             context_lens,
             table,
             torch.tensor(rows) if any(full) else None,
+            self._lora(seqs, query_lens),
         )
         result = self.model.forward(batch, self.kv_blocks)
         if batch.logit_rows is not None:  # hidden states: the last rows' logits, prompts' below
@@ -113,6 +115,13 @@ class ModelRunner:
             lp = token_logprob(model_logits, token, params.logprobs) if params.logprobs is not None else None
             out.append(Sampled(token, lp))
         return out
+
+    def _lora(self, seqs: list[Sequence], query_lens: list[int]) -> LoraBatch | None:
+        """Which rows run with which adapter (None: no sequence has one, the plain path)."""
+        if not any(s.adapter for s in seqs):
+            return None
+        adapters = self.model.adapters
+        return LoraBatch.build([adapters[s.adapter] if s.adapter else None for s in seqs], query_lens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability given those before it (None for the first)."""

@@ -56,6 +56,7 @@ class Sequence:
     # Per prompt token (None for the first), once computed: only when params.prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     constraint: TokenConstraint | None = None  # constrained decoding (response_format, tools)
+    adapter: str | None = None  # key of the LoRA adapter it runs with (LlamaModel.adapters); None: base
 
     @property
     def token_ids(self) -> list[int]:

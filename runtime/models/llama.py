@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the universal alias
 
+from runtime.models.lora import LoraAdapter, LoraBatch, plain
 from runtime.models.quant_weight import QuantWeight, bind_weight
-from runtime.quant import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +137,8 @@ class Batch:
     # Flat rows whose logits forward returns; None (the default, fast path): the last new
     # token of each sequence. Set only for requests asking for prompt log-probabilities.
     logit_rows: torch.Tensor | None = None
+    # Which rows use which LoRA adapter (runtime.models.lora); None: no adapter in the batch.
+    lora: LoraBatch | None = None
 
 
 class LlamaModel:
@@ -148,8 +150,11 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         use_cuda_kernels: bool | None = None,
         cpu_kernels: str | None = None,
+        adapters: dict[str, LoraAdapter] | None = None,
     ) -> None:
         self.config = config
+        # LoRA adapters a sequence may name (by key), applied unmerged per row (runtime.models.lora).
+        self.adapters: dict[str, LoraAdapter] = dict(adapters or {})
         self.weights = w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
@@ -208,19 +213,27 @@ class LlamaModel:
                 batch.context_lens,
                 batch.block_tables.to(device),
                 None if batch.logit_rows is None else batch.logit_rows.to(device),
+                None if batch.lora is None else batch.lora.to(device),
             )
-        # The CPU kernels return last-token logits only: other rows take the torch path.
-        if self.cpu_kernels is not None and batch.logit_rows is None and self.cpu_kernels.wants(batch):
+        # The CPU kernels return last-token logits only: other rows take the torch path. They
+        # know no LoRA either: a batch with any adapter row decodes on the torch path.
+        if (
+            self.cpu_kernels is not None
+            and batch.logit_rows is None
+            and batch.lora is None
+            and self.cpu_kernels.wants(batch)
+        ):
             return self.cpu_kernels.step(kv_blocks)(batch)
+        proj = plain if batch.lora is None else batch.lora.project  # (layer, module, x, w, bias)
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]
         block_idx, block_off = batch.slots // block_size, batch.slots % block_size
         for layer_id, lw in enumerate(self.layers):
             h = _rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-            q = linear(h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
-            k = linear(h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
-            v = linear(h, lw.qkv[2], lw.qkv_bias[2] if lw.qkv_bias else None)
+            q = proj(layer_id, "q_proj", h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
+            k = proj(layer_id, "k_proj", h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
+            v = proj(layer_id, "v_proj", h, lw.qkv[2], lw.qkv_bias[2] if lw.qkv_bias else None)
             q = _apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # (N, H, D)
             k = _apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (N, Hkv, D)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (N, Hkv, D)
@@ -243,9 +256,10 @@ class LlamaModel:
                 ).reshape(-1, cfg.num_heads * cfg.head_dim)
             else:
                 attn = self._attention(q, k, v, k_cache, v_cache, batch)  # (N, H*D)
-            x = x + linear(attn, lw.o)
+            x = x + proj(layer_id, "o_proj", attn, lw.o)
             h = _rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-            x = x + linear(F.silu(linear(h, lw.gate)) * linear(h, lw.up), lw.down)
+            gated = F.silu(proj(layer_id, "gate_proj", h, lw.gate)) * proj(layer_id, "up_proj", h, lw.up)
+            x = x + proj(layer_id, "down_proj", gated, lw.down)
         if batch.logit_rows is not None:
             last = batch.logit_rows
         else:

@@ -88,7 +88,9 @@ class LLM:
         # response_format / tools as on /v1/chat/completions (tool calls stay in the text, in
         # runtime.openai_tools' generic format).
         prepared = await self._binding.prepare_all(request)
-        return await self._binding.complete(prepared.ids, prepared.params, request.n, prepared.constraints)
+        return await self._binding.complete(
+            prepared.ids, prepared.params, request.n, prepared.constraints, prepared.adapter
+        )
 
     def _block(self, coro: Any) -> Completion:
         if threading.get_ident() == self._loop_thread:

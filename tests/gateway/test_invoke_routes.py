@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from gateway.app import GatewayConfig, Serving, create_app
 from gateway.errors import HANDLED, Unauthorized, render_error
 from gateway.metrics import Metrics
-from gateway.proxy import Invoker, ProxyConfig
+from gateway.proxy import Invoker, ProxyConfig, request_model
 from gateway.routes.invoke import Invocations, invoke_routes
 from gateway.tenants import Authenticator, Principal, TenantKeys
 from scheduler.redis_server import EmbeddedRedis
@@ -79,3 +79,10 @@ def test_declared_invoke_routes_answer_like_the_fast_path(
         assert full.get("/v1/completions", headers={"authorization": f"Bearer {KEY}"}).status_code == 405
         paths = full.get("/openapi.json", headers={"authorization": f"Bearer {KEY}"}).json()["paths"]
         assert all("post" in paths[p] for p in ("/v1/functions/{name}/invoke", *PATHS[1:]))
+
+
+def test_an_adapter_request_routes_to_its_function() -> None:
+    """``FUNCTION:ADAPTER`` (a LoRA adapter of the function) routes like ``FUNCTION``."""
+    assert request_model({"model": "chat:french"}) == "chat"
+    assert request_model({"model": "team-a/chat:french"}) == "team-a/chat"
+    assert request_model({"model": "chat"}) == "chat"

@@ -38,6 +38,14 @@ def test_write_records_offsets_and_fingerprints(tmp_path: Path) -> None:
         assert e.fingerprint == fingerprint(e.dtype, e.shape, raw[e.offset : e.offset + e.nbytes])
     assert store.read(tmp_path / "model") == m
     assert store.verify(m) == []
+    assert all(e.static for e in m.tensors)
+
+
+def test_a_dynamic_entry_marks_every_tensor_dynamic(tmp_path: Path) -> None:
+    """A LoRA adapter's entry: the pool keys its tensors per session, never shares them."""
+    m = store.write(tmp_path / "lora", {"a": torch.randn(2, 8), "b": torch.randn(8, 2)}, static=False)
+    assert not any(e.static for e in m.tensors)
+    assert store.read(tmp_path / "lora") == m
 
 
 def test_metadata_is_kept_beside_the_manifest(tmp_path: Path) -> None:

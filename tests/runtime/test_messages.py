@@ -39,6 +39,10 @@ def test_messages_round_trip() -> None:
     assert AssignMessage.from_json(json.dumps(assign_body())).num_threads is None
     # So does its KV quota (what its pool ticket allows), which bounds a request's choices.
     assert AssignMessage.from_json(json.dumps(assign_body(kv_quota_bytes=1 << 20))).kv_quota_bytes == 1 << 20
+    # And the function's registered LoRA adapters (absent: none).
+    lora = AssignMessage.from_json(json.dumps(assign_body(adapters={"fr": "/m/adapters/fr"})))
+    assert lora.adapters == {"fr": "/m/adapters/fr"} and AssignMessage.from_json(lora.to_json()) == lora
+    assert AssignMessage.from_json(json.dumps(assign_body())).adapters == {}
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,10 @@ def test_messages_round_trip() -> None:
         assign_body(kv_quota_bytes="1GiB"),
         assign_body(kv_quota_bytes=False),
         assign_body(extra=1),
+        assign_body(adapters=["/a"]),
+        assign_body(adapters={"fr": 1}),
+        assign_body(adapters={"": "/a"}),
+        assign_body(adapters={f"a{i}": "/a" for i in range(17)}),
         {k: v for k, v in assign_body().items() if k != "deadline"},
         [1, 2],
     ],

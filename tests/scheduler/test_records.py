@@ -44,6 +44,18 @@ def test_defaults_fill_a_spec_without_scaling_and_a_bad_version_is_refused() -> 
         ModelRef.decode({"id": "m", "dir": "/d", "weight_bytes": "many"})
 
 
+def test_model_refs_carry_the_functions_lora_adapters() -> None:
+    plain = ModelRef("m", "/d", 1)
+    assert plain.encode() == {"id": "m", "dir": "/d", "weight_bytes": 1}  # as stored before adapters
+    ref = ModelRef.decode({"id": "m", "dir": "/d", "weight_bytes": 1, "adapters": {"fr": "/d/adapters/fr"}})
+    assert ref.adapters == (("fr", "/d/adapters/fr"),) and ModelRef.decode(ref.encode()) == ref
+    for bad in (["/a"], {"fr": 3}):
+        with pytest.raises(RecordError, match="adapters"):
+            ModelRef.decode({"id": "m", "dir": "/d", "weight_bytes": 1, "adapters": bad})
+    with pytest.raises(RecordError, match="at most 16"):
+        ModelRef("m", "/d", 1, tuple((f"a{i}", "/a") for i in range(17)))
+
+
 def test_device_reports_keep_the_published_document_and_parse_placement_inputs(state: ClusterState) -> None:
     published = {"free_bytes": 7, "evictable_bytes": 3, "models": {"m": 4}, "warm_workers": 1}
     state.report_device("n/cpu", published)

@@ -6,6 +6,7 @@ import pytest
 
 from scheduler.spec import SpecError, parse_function_yaml
 
+TOO_MANY = str([{"name": f"a{i}", "source": "/a"} for i in range(17)])  # MAX_ADAPTERS is 16
 EXAMPLE = """
 apiVersion: ember.dev/v1
 kind: Function
@@ -93,6 +94,24 @@ def test_spec_dtypes_are_the_registrys() -> None:
         ("spec: {model: {source: gguf:/m.gguf}, handler: 'rm -rf /'}", "spec"),
         ("spec: {model: {source: gguf:/m.gguf}, latencySensitivity: 0}", "spec.latencySensitivity"),
         ("spec: {}", "spec.model"),
+        (
+            "spec: {model: {source: gguf:/m.gguf, adapters: [{name: Bad_A, source: /a}]}}",
+            "spec.model.adapters.0.name",
+        ),
+        (
+            "spec: {model: {source: gguf:/m.gguf, adapters: [{name: a, source: gguf:/a.gguf}]}}",
+            "spec.model.adapters.0.source",
+        ),
+        ("spec: {model: {source: gguf:/m.gguf, adapters: [{name: a}]}}", "spec.model.adapters.0.source"),
+        (
+            "spec: {model: {source: gguf:/m.gguf, adapters: [{name: a, source: /a, rank: 8}]}}",
+            "spec.model.adapters.0.rank",
+        ),
+        (
+            "spec: {model: {source: gguf:/m.gguf, adapters: [{name: a, source: /a}, {name: a, source: /b}]}}",
+            "spec.model.adapters",
+        ),
+        ("spec: {model: {source: gguf:/m.gguf, adapters: " + TOO_MANY + "}}", "spec.model.adapters"),
     ],
 )
 def test_bad_specs_name_the_field(patch: str, field: str) -> None:
@@ -106,6 +125,23 @@ def test_bad_specs_name_the_field(patch: str, field: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_function_yaml(text)
     assert field in str(info.value)
+
+
+def test_adapters_parse_and_round_trip() -> None:
+    text = EXAMPLE.replace(
+        "dtype: bfloat16",
+        "dtype: bfloat16\n    adapters:\n      - {name: french, source: safetensors:/models/fr}\n"
+        "      - {name: pirate, source: /models/pirate}",
+    )
+    f = parse_function_yaml(text)
+    assert [(a.name, a.source) for a in f.spec.model.adapters] == [
+        ("french", "safetensors:/models/fr"),
+        ("pirate", "/models/pirate"),
+    ]
+    doc = f.to_document()
+    assert doc["spec"]["model"]["adapters"][1] == {"name": "pirate", "source": "/models/pirate"}
+    assert parse_function_yaml(__import__("json").dumps(doc)) == f
+    assert parse_function_yaml(EXAMPLE).to_document()["spec"]["model"]["adapters"] == []  # shown by describe
 
 
 @pytest.mark.parametrize("text", ["{{{ not yaml", "- a list", "42", ""])
