@@ -101,7 +101,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
     from runtime.supervisor import RestartConfig, SpawnThread, ThreadRestarted, supervise
     from runtime.worker_limits import WorkerLimits
     from scheduler.redis_server import EmbeddedRedis
-    from scheduler.router import Router
+    from scheduler.router import Router, RouterConfig
     from scheduler.state import ClusterState
 
     gateway_config = GatewayConfig(
@@ -145,6 +145,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
     router = Router(
         state,
         agent,
+        RouterConfig.from_env(),
         on_start=lambda name, s: metrics.instance_started(
             name, s.bytes_loaded, s.bytes_reused, s.timings_ms.get("assign_ms", 0.0) / 1e3
         ),

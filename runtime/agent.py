@@ -474,6 +474,9 @@ class NodeAgent:
                 log.info("no report for %s this time: its pool did not answer (%s)", device, exc)
                 continue
             workers = {**self._workers.report(), **self._standbys.report(), **self._tokens_report(device)}
+            workers["instances"] = sum(
+                1 for w in self._instances.values() if w.device == device and w.running
+            )
             record = device_record(self.config.node, device, stats, workers)
             out[self.device_id(device)] = record
             if self._report is not None:

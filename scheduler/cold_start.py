@@ -47,9 +47,12 @@ class ColdStarter:
         start_backoff_s: float,
         notify: Callable[[str], None],
         on_start: Callable[[str, StartedInstance], None] | None = None,
+        instances_per_device: int = 0,
     ) -> None:
         """``notify(name)`` wakes the requests waiting for an instance of ``name``; ``on_start``
-        sees every instance that became ready (metrics)."""
+        sees every instance that became ready (metrics); ``instances_per_device``: at most that
+        many instances on a device at once (0: no limit but its memory)."""
+        self.instances_per_device = instances_per_device
         self.state = state
         self.launcher = launcher
         self.start_backoff_s = start_backoff_s
@@ -82,13 +85,17 @@ class ColdStarter:
         return instance_id in self._launching
 
     async def place(
-        self, record: FunctionRecord, unpinned: Mapping[str, set[str]] | None = None
+        self,
+        record: FunctionRecord,
+        unpinned: Mapping[str, set[str]] | None = None,
+        vacating: Mapping[str, int] | None = None,
     ) -> tuple[str | None, float]:
         """The device to start an instance of ``record`` on (None: none can hold its model now)
         and the start time Eq. 3 expects there. ``unpinned`` (device -> model ids): place as if
         the instances pinning those models there were stopped: their resident bytes evictable,
         and the device's KV blocks free (an upper bound: the report does not say which
-        sessions hold them)."""
+        sessions hold them). ``vacating`` (device -> instances): as many instances stopped
+        there, for the limit of instances per device."""
         model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
@@ -99,6 +106,9 @@ class ColdStarter:
             if r is None:  # not reported yet: assume an empty device of unknown size
                 devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
+            limit = self.instances_per_device
+            if limit and r.num_instances - (vacating or {}).get(device_id, 0) >= limit:
+                continue  # as many instances as it may run: none starts there now
             models = (unpinned or {}).get(device_id)
             freed = 0 if models is None else r.kv_bytes + sum(r.resident_bytes.get(m, 0) for m in models)
             devices.append(

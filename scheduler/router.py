@@ -38,8 +38,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -69,12 +70,34 @@ class RouterConfig:
     # Redis: the next request of the function takes it without a Redis round trip (0: off).
     lease_s: float = 0.25
     max_leases: int = 8  # per function
+    # Requests go to the busiest instance with a free slot (LLM-Mesh's bin-packing, §7.2)
+    # instead of the least busy one.
+    pack: bool = False
+    # Instances a device runs at once, of any function (0: as many as its memory holds, co-located;
+    # 1: one at a time, as ServerlessLLM does with a GPU: the baseline co-location is measured against).
+    instances_per_device: int = 0
 
     def __post_init__(self) -> None:
         if min(self.tick_s, self.poll_s, self.report_every_s) <= 0 or self.handover_s < 0:
             raise ValueError("tick_s, poll_s and report_every_s must be > 0; handover_s >= 0")
         if not 0 <= self.lease_s <= 5 or self.max_leases < 0:
             raise ValueError("lease_s must be in [0, 5] and max_leases >= 0")
+        if not 0 <= self.instances_per_device <= 1024:
+            raise ValueError("instances_per_device must be in [0, 1024]")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:
+        """``EMBER_SLOT_POLICY`` (spread | pack) and ``EMBER_INSTANCES_PER_DEVICE`` (0: no limit)."""
+        env = os.environ if environ is None else environ
+        policy = env.get("EMBER_SLOT_POLICY", "spread")
+        if policy not in ("spread", "pack"):
+            raise ValueError(f"EMBER_SLOT_POLICY must be spread or pack, not {policy!r}")
+        raw = env.get("EMBER_INSTANCES_PER_DEVICE", "0")
+        try:
+            per_device = int(raw)
+        except ValueError:
+            raise ValueError(f"EMBER_INSTANCES_PER_DEVICE must be an integer, not {raw!r}") from None
+        return cls(pack=policy == "pack", instances_per_device=per_device)
 
 
 class Route(NamedTuple):
@@ -98,7 +121,14 @@ class Router:
         self.state = state
         self.launcher = launcher
         self.config = config or RouterConfig()
-        self.starter = ColdStarter(state, launcher, self.config.start_backoff_s, self._notify, on_start)
+        self.starter = ColdStarter(
+            state,
+            launcher,
+            self.config.start_backoff_s,
+            self._notify,
+            on_start,
+            self.config.instances_per_device,
+        )
         self._waiting: dict[str, int] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._service_s: dict[str, float] = {}  # EWMA of request service time per function
@@ -117,9 +147,9 @@ class Router:
             return leased
         concurrency = record.scaling.concurrency
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
-            hit = self.state.acquire_slot(name, concurrency, retry=False)
+            hit = self.state.acquire_slot(name, concurrency, retry=False, pack=self.config.pack)
         except StateUnavailable:  # Redis restarting: retry in a thread, off the event loop
-            hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency)
+            hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency, True, self.config.pack)
         if hit is not None:
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
         t0 = time.monotonic()
@@ -130,7 +160,9 @@ class Router:
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                hit = await on_loop(lambda retry: self.state.acquire_slot(name, concurrency, retry))
+                hit = await on_loop(
+                    lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
+                )
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
                 failed = self.starter.failure(name)
@@ -254,6 +286,7 @@ class Router:
             records = await asyncio.to_thread(self.state.functions)
             idle: list[tuple[float, str, int]] = []  # (keep-alive deadline, function, minScale)
             freed: dict[str, set[str]] = {}  # device -> models the idle candidates pin
+            vacating: dict[str, int] = {}  # device -> idle candidates (the instances-per-device limit)
             kept: dict[str, set[str]] = {}  # device -> models the instances that stay pin
             for other, other_record in records.items():
                 instances = await asyncio.to_thread(self.state.instances, other)
@@ -266,13 +299,14 @@ class Router:
                         continue
                     if stoppable and inst.state == "ready" and inst.in_flight == 0:
                         idle.append((inst.deadline, other, min_scale))
+                        vacating[inst.device] = vacating.get(inst.device, 0) + 1
                         freed.setdefault(inst.device, set())  # its KV blocks, at least
                         if min_scale == 0:  # else some stay, pinning the model: which ones is not known
                             freed[inst.device].add(model)
                             continue
                     kept.setdefault(inst.device, set()).add(model)
             unpinned = {d: models - kept.get(d, set()) for d, models in freed.items()}
-            if not idle or (await self.starter.place(record, unpinned))[0] is None:
+            if not idle or (await self.starter.place(record, unpinned, vacating))[0] is None:
                 return None, math.inf  # not even with every idle candidate stopped: wait
             for _, other, min_scale in sorted(idle):
                 # Past every deadline: the state's atomic expiry drains them as if timed out.

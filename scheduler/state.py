@@ -127,7 +127,8 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[1] .. 'instance:' .. id
   local f = redis.call('HMGET', key, 'state', 'in_flight', 'url', 'token')
   local n = tonumber(f[2])
-  if f[1] == 'ready' and n < tonumber(ARGV[2]) and (best_n == nil or n < best_n) then
+  local better = best_n == nil or (ARGV[3] == 'pack' and n > best_n) or (ARGV[3] ~= 'pack' and n < best_n)
+  if f[1] == 'ready' and n < tonumber(ARGV[2]) and better then
     best, best_n, best_url, best_token = id, n, f[3], f[4] or ''
   end
 end
@@ -398,10 +399,15 @@ class ClusterState:
         slot = self.acquire_slot(function, concurrency, retry)
         return (slot.instance_id, slot.url) if slot else None
 
-    def acquire_slot(self, function: str, concurrency: int, retry: bool = True) -> Slot | None:
-        """:meth:`acquire` with the instance's credential: what the gateway routes with."""
+    def acquire_slot(
+        self, function: str, concurrency: int, retry: bool = True, pack: bool = False
+    ) -> Slot | None:
+        """:meth:`acquire` with the instance's credential: what the gateway routes with. The
+        least busy ready instance with a free slot gets it, or with ``pack`` the busiest
+        (LLM-Mesh's bin-packing, §7.2: batches grow, and the others idle out sooner)."""
         keys = [f"{self.p}fn:{function}:instances"]
-        result = self._once_or_retry(lambda: self._acquire(keys=keys, args=[self.p, concurrency]), retry)
+        args: list[str | int] = [self.p, concurrency, "pack" if pack else "spread"]
+        result = self._once_or_retry(lambda: self._acquire(keys=keys, args=args), retry)
         return Slot(str(result[0]), str(result[1]), str(result[2])) if result else None
 
     def release(

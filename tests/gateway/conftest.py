@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -68,9 +69,18 @@ def http(server: ServeProcess) -> Iterator[httpx.Client]:
         yield client
 
 
-def serve_zoo(zoo: Any, home: Path, env: dict[str, str], functions: list[str]) -> ServeProcess:
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """bench.zoo's quick profile (six tiny models), registered once per test module."""
+    from bench.zoo import build
+
+    return build(tmp_path_factory.mktemp("zoo"), "quick")
+
+
+@contextlib.contextmanager
+def serve_zoo(zoo: Any, home: Path, env: dict[str, str], functions: list[str]) -> Iterator[ServeProcess]:
     """``ember serve`` on ``home`` with ``zoo``'s (bench.zoo) registered models hard-linked in
-    and its ``functions`` deployed (keep-alive 60 s); the caller stops it."""
+    and its ``functions`` deployed (keep-alive 60 s); it must stop cleanly afterwards."""
     import subprocess
 
     from bench.zoo import function_spec
@@ -82,7 +92,6 @@ def serve_zoo(zoo: Any, home: Path, env: dict[str, str], functions: list[str]) -
             for name in functions:
                 r = http.post("/v1/functions", json=function_spec(zoo.model(name), keep_alive="60s"))
                 assert r.status_code == 201, r.text
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+        yield proc
+    finally:
+        assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]

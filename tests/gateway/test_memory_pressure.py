@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.zoo import Zoo, build
+from bench.zoo import Zoo
 from gateway.spawn import ServeProcess
 from tests.gateway.conftest import serve_zoo
 
@@ -26,19 +26,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
-    return build(tmp_path_factory.mktemp("zoo"), "quick")
-
-
-@pytest.fixture(scope="module")
 def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    home = tmp_path_factory.mktemp("home")
     env = {"EMBER_ARENA": "8MiB", "EMBER_PREWARM": "2", "EMBER_STANDBY": "0"}
-    proc = serve_zoo(zoo, home, env, ["tiny-a-bf16", "tiny-e-bf16", "tiny-d-q4"])
-    try:
+    with serve_zoo(
+        zoo, tmp_path_factory.mktemp("home"), env, ["tiny-a-bf16", "tiny-e-bf16", "tiny-d-q4"]
+    ) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]
 
 
 def chat(http: httpx.Client, model: str, max_tokens: int = 4) -> httpx.Response:

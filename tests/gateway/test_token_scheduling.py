@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.zoo import Zoo, build, function_spec
+from bench.zoo import Zoo, function_spec
 from gateway.spawn import ServeProcess
 from tests.gateway.conftest import serve_zoo
 
@@ -23,19 +23,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
-    return build(tmp_path_factory.mktemp("zoo"), "quick")
-
-
-@pytest.fixture(scope="module")
 def server(zoo: Zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    home = tmp_path_factory.mktemp("home")
     env = {"EMBER_PREWARM": "2", "EMBER_STANDBY": "0", "EMBER_TOKEN_SCHEDULING": "on"}
-    proc = serve_zoo(zoo, home, env, ["tiny-a-bf16", "tiny-e-bf16"])
-    try:
+    with serve_zoo(zoo, tmp_path_factory.mktemp("home"), env, ["tiny-a-bf16", "tiny-e-bf16"]) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, (home / "serve.log").read_text()[-3000:]
 
 
 def cpu_tokens(http: httpx.Client) -> dict[str, Any]:

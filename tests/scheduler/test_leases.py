@@ -155,6 +155,18 @@ def test_lease_config_is_validated() -> None:
             RouterConfig(**bad)
 
 
+def test_slot_policy_and_instances_per_device_come_from_the_environment() -> None:
+    assert RouterConfig.from_env({}) == RouterConfig()
+    config = RouterConfig.from_env({"EMBER_SLOT_POLICY": "pack", "EMBER_INSTANCES_PER_DEVICE": "1"})
+    assert config.pack and config.instances_per_device == 1
+    with pytest.raises(ValueError, match="spread or pack"):
+        RouterConfig.from_env({"EMBER_SLOT_POLICY": "fill"})
+    with pytest.raises(ValueError, match="integer"):
+        RouterConfig.from_env({"EMBER_INSTANCES_PER_DEVICE": "one"})
+    with pytest.raises(ValueError, match=r"\[0, 1024\]"):
+        RouterConfig.from_env({"EMBER_INSTANCES_PER_DEVICE": "-1"})
+
+
 class DeadInstanceLauncher(RoutingOnlyLauncher):
     """Runs the instances in ``dead`` (their processes gone) and nothing else."""
 

@@ -51,6 +51,24 @@ def test_concurrent_scale_up_never_double_starts(server: EmbeddedRedis) -> None:
     check.close()
 
 
+def test_slots_spread_by_default_and_pack_when_asked(state: ClusterState) -> None:
+    """Spread: the least busy ready instance. Pack (LLM-Mesh's bin-packing): the busiest one
+    that still has a free slot, so its batch grows and the others can idle out."""
+    a = state.scale_up("f", 2, "n/cpu", now=0.0)
+    b = state.scale_up("f", 2, "n/cpu", now=0.0)
+    assert a and b
+    state.transition(a, "starting", "ready", url="http://a", deadline=10.0)
+    state.transition(b, "starting", "ready", url="http://b", deadline=10.0)
+    first = state.acquire_slot("f", 3, pack=True)
+    assert first is not None
+    busy = first.instance_id
+    idle = b if busy == a else a
+    assert state.acquire_slot("f", 3, pack=True).instance_id == busy  # type: ignore[union-attr]
+    assert state.acquire_slot("f", 3).instance_id == idle  # type: ignore[union-attr]  # spread
+    assert state.acquire_slot("f", 3, pack=True).instance_id == busy  # type: ignore[union-attr]
+    assert state.acquire_slot("f", 3, pack=True).instance_id == idle  # type: ignore[union-attr]  # busy is full
+
+
 def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
     a = state.scale_up("f", 2, "n/cpu", now=0.0)
     b = state.scale_up("f", 2, "n/cpu", now=0.0)
