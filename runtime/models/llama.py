@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the universal alias
 
+from runtime.models.layer_gate import LayerGate
 from runtime.models.quant_weight import QuantWeight, bind_weight
 from runtime.quant import linear
 
@@ -148,8 +149,13 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         use_cuda_kernels: bool | None = None,
         cpu_kernels: str | None = None,
+        gate: LayerGate | None = None,
     ) -> None:
+        """``gate``: the weights are still loading (a progressive pool acquire); the forward
+        waits for each layer's tensors before it uses them. Nothing reads a weight's bytes
+        before the forward does."""
         self.config = config
+        self.gate = gate
         self.weights = w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
@@ -209,14 +215,22 @@ class LlamaModel:
                 batch.block_tables.to(device),
                 None if batch.logit_rows is None else batch.logit_rows.to(device),
             )
-        # The CPU kernels return last-token logits only: other rows take the torch path.
+        gate = self.gate
+        if gate is not None and gate.done:  # everything is in: no check from now on
+            self.gate = gate = None
+        # The CPU kernels return last-token logits only: other rows take the torch path. They
+        # wait per layer for a model still loading (runtime.models.llama_decode) as this does.
         if self.cpu_kernels is not None and batch.logit_rows is None and self.cpu_kernels.wants(batch):
             return self.cpu_kernels.step(kv_blocks)(batch)
+        if gate is not None:
+            gate.wait(0)
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]
         block_idx, block_off = batch.slots // block_size, batch.slots % block_size
         for layer_id, lw in enumerate(self.layers):
+            if gate is not None:
+                gate.wait(layer_id + 1)
             h = _rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q = linear(h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
             k = linear(h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
@@ -250,6 +264,8 @@ class LlamaModel:
             last = batch.logit_rows
         else:
             last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
+        if gate is not None:
+            gate.wait(cfg.num_layers + 1)
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         if batch.logit_rows is not None:
             return x
