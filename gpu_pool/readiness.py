@@ -23,6 +23,8 @@ from typing import Any
 from gpu_pool.errors import LoadError, ProtocolError, UnsupportedVersion
 from gpu_pool.wire.messages import MAX_READY_GROUPS, READINESS_VERSION
 
+__all__ = ["FAILED", "MAX_READY_GROUPS", "READY", "Readiness"]
+
 READY = b"R"  # gpu_pool.server.progressive writes these
 FAILED = b"E"
 

@@ -310,7 +310,7 @@ def bind(
     t0 = time.perf_counter()
     readiness = None
     if progressive:
-        from gpu_pool.wire.messages import MAX_READY_GROUPS
+        from gpu_pool.readiness import MAX_READY_GROUPS
         from runtime.models.layer_gate import stage_groups
 
         names = [e.name for e in template.manifest.tensors]

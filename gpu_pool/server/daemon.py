@@ -7,6 +7,10 @@ the lock, into regions reserved and pinned while it was held, so a slow load sta
 other session and the event loop keeps accepting connections and noticing disconnects.
 A connection that closes, for whatever reason including SIGKILL of its process, releases
 its session's pins and KV blocks.
+A progressive acquire (TIDAL §5.2, :mod:`gpu_pool.server.progressive`) replies once the
+tensors are placed and pinned, with a readiness pipe, and copies group by group in manifest
+(access) order in a task of its session: the session's next acquire waits for it, and its
+``release`` or disconnect cancels it (between groups) and aborts it before the pins go.
 Malformed messages get a typed error reply; an oversized frame gets a reply and the
 connection is closed (its framing can no longer be trusted); the daemon keeps serving.
 

@@ -23,11 +23,10 @@ from collections.abc import Sequence
 
 from gpu_pool.arena.base import CopyJob
 from gpu_pool.errors import InvalidArgument, LoadError
+from gpu_pool.readiness import FAILED, MAX_READY_GROUPS, READY
 from gpu_pool.server.reuse_store import PendingAcquire, ReuseStore
-from gpu_pool.wire.messages import MAX_READY_GROUPS
 
-READY = b"R"
-FAILED = b"E"
+__all__ = ["FAILED", "READY", "LoadCancelled", "copy_groups", "group_ends", "plan_groups", "signal"]
 
 
 class LoadCancelled(LoadError):

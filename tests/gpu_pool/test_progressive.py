@@ -105,3 +105,27 @@ def test_disconnect_mid_load_leaves_the_store_consistent(tmp_path: Path, store_r
                 assert torch.equal(views[name], t), name
     finally:
         pool.stop()
+
+
+def test_release_mid_load_cancels_or_completes_cleanly(tmp_path: Path, store_root: Path) -> None:
+    sizes = [4 << 20] * 48
+    tensors = random_tensors(7, sizes)
+    manifest = write_entry(store_root, "big", tensors)
+    pool = PoolProcess(tmp_path / "pool.sock", "256MiB", store=(store_root,))
+    try:
+        with PoolClient(pool.socket_path) as c:
+            _, readiness = c.acquire_progressive(manifest)
+            assert readiness is not None
+            c.release()  # waits for the load to stop (cancelled between groups) before unpinning
+            stats = c.stats()
+            assert stats["pinned_bytes"] == 0 and stats["num_tensors"] in (0, len(sizes))
+            if stats["num_tensors"] == 0:  # cancelled: the readiness says so
+                with pytest.raises(LoadError):
+                    readiness.wait_all(timeout=10)
+            else:
+                readiness.wait_all(timeout=10)
+            views = c.acquire(manifest)
+            for name, t in tensors.items():
+                assert torch.equal(views[name], t), name
+    finally:
+        pool.stop()
