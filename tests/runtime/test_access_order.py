@@ -105,5 +105,8 @@ def test_registration_stores_the_traced_order(tmp_path: Path) -> None:
     if "lm_head.weight" not in weights:  # tied: the head is the embedding, read first
         expected.remove("lm_head.weight")
     assert names == expected
+    offsets = [e.offset for e in manifest.tensors]
+    assert offsets == sorted(offsets)  # the file's bytes lie in access order too
+    assert store.verify(manifest) == []
     assert store.read_metadata(model.store_path)["access_order"]["traced"] is True
     assert model.record["access_order"] == "traced"
