@@ -67,18 +67,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--page-cache", choices=("warm", "cold"), default="warm")
     parser.add_argument("--arena", default="2GiB")
     parser.add_argument("--load-threads", type=int, default=2, help="the pool's copy threads")
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="register the zoo model's source again under this EMBER_HOME (this code's traced "
+        "access order and file layout) instead of using the zoo's registration",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.reps < 1 or args.prompt_tokens < 1:
         parser.error("--reps and --prompt-tokens must be >= 1")
     if args.load_threads < 1:
         parser.error("--load-threads must be >= 1")
-    line = run(args.model, args.reps, args.prompt_tokens, args.page_cache, args.arena, args.load_threads)
+    line = run(
+        args.model, args.reps, args.prompt_tokens, args.page_cache, args.arena, args.load_threads, args.home
+    )
     emit(line, args.out)
 
 
 def run(
-    model_name: str, reps: int, prompt_tokens: int, page_cache: str, arena: str, load_threads: int = 2
+    model_name: str,
+    reps: int,
+    prompt_tokens: int,
+    page_cache: str,
+    arena: str,
+    load_threads: int = 2,
+    home: Path | None = None,
 ) -> dict[str, Any]:
     from bench.zoo import build, default_root
     from gpu_pool.client import PoolClient
@@ -88,7 +103,14 @@ def run(
 
     zoo = build(default_root("full"), "full")
     zm = zoo.model(model_name)
-    template = load_template(zoo.model_dir(zm))
+    model_dir, models_home = zoo.model_dir(zm), zoo.home
+    if home is not None:
+        from runtime.registry import register
+        from runtime.sources import SourceRoots
+
+        models_home = home.absolute()
+        model_dir = register(zm.source, zm.dtype, home=models_home, roots=SourceRoots((zoo.root,))).directory
+    template = load_template(model_dir)
     manifest = template.manifest
     files = sorted({e.file for e in manifest.tensors})
     if prompt_tokens + 1 > int(template.model.config.get("max_position_embeddings", 4096)):
@@ -104,7 +126,7 @@ def run(
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
             "EMBER_POOL_LOAD_THREADS": str(load_threads),
         }
-        with running_pool(sock, arena, env=env, store_roots=(zoo.home / "models",)) as pool:
+        with running_pool(sock, arena, env=env, store_roots=(models_home / "models",)) as pool:
 
             def evict() -> None:
                 with PoolClient(sock, admin_token=pool.admin_token) as admin:
@@ -164,7 +186,8 @@ def run(
     ratio = round(ov / seq, 3)
     return {
         "bench": "overlap",
-        "model": zm.model_id,
+        "model": template.model.model_id,
+        "access_order": template.model.record.get("access_order", "source order"),
         "model_bytes": manifest.nbytes,
         "prompt_tokens": prompt_tokens,
         "reps": reps,
