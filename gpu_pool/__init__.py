@@ -22,6 +22,8 @@ Reuse Store micro-benchmarks in ``bench/`` measure internals by design):
 
 * :mod:`gpu_pool.client`: ``PoolClient``, ``RemotePoolError``, ``premap``, ``MappedArena``,
   ``KVBlocks``, ``AcquireReport``;
+* :mod:`gpu_pool.readiness`: ``Readiness`` (which tensors of a progressive acquire have their
+  bytes in, TIDAL §5.2), ``MAX_READY_GROUPS``;
 * :mod:`gpu_pool.acquire_report`: ``AcquireReport`` (what an acquire cost, from the Reuse Store
   to the node agent) with its versioned wire encoding;
 * :mod:`gpu_pool.store`: ``write``, ``read``, ``verify`` of model store entries;
@@ -44,6 +46,7 @@ __all__ = [
     "cuda_backend",
     "errors",
     "manifest",
+    "readiness",
     "spawn",
     "store",
 ]

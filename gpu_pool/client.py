@@ -26,13 +26,14 @@ from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena import mapping
 from gpu_pool.errors import ERRORS_BY_CODE, PoolError, ProtocolError
 from gpu_pool.manifest import Manifest
+from gpu_pool.readiness import Readiness
 from gpu_pool.wire import fdpass
 from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AcquireReport", "KVBlocks", "MappedArena", "PoolClient", "RemotePoolError", "premap"]
+__all__ = ["AcquireReport", "KVBlocks", "MappedArena", "PoolClient", "Readiness", "RemotePoolError", "premap"]
 
 
 class RemotePoolError(PoolError):
@@ -206,6 +207,29 @@ class PoolClient:
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
         return placements
+
+    def acquire_progressive(
+        self, manifest: Manifest, groups: list[int] | None = None
+    ) -> tuple[dict[str, int], Readiness | None]:
+        """:meth:`acquire_placements`, answered as soon as the tensors are placed and pinned
+        (TIDAL §5.2): the placements and a :class:`Readiness` telling which groups of tensors
+        (``groups``: their ends in manifest order; default one group per tensor) have their
+        bytes in. None instead when nothing had to be loaded: every tensor is ready.
+        ``last_acquire.load_seconds`` is 0 (the load has not ended when the reply comes)."""
+        fields: dict[str, Any] = {"manifest_bin": manifest.encoded(), "progressive": True}
+        if groups:
+            fields["groups"] = list(groups)
+        reply, fds = self._request("acquire", **fields)
+        info = reply.get("readiness")
+        if (info is None) != (not fds) or len(fds) > 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError("a progressive acquire reply needs readiness and its pipe together")
+        self.last_acquire = AcquireReport.from_wire(reply.get("report"))
+        placements: dict[str, int] = reply["placements"]
+        if info is None:
+            return placements, None
+        return placements, Readiness.from_wire(info, fds[0], len(manifest.tensors), manifest.model_id)
 
     def views(self, manifest: Manifest, placements: dict[str, int]) -> dict[str, torch.Tensor]:
         """Views into the arena of ``manifest``'s tensors at ``placements`` (from an acquire)."""

@@ -364,6 +364,7 @@ def bind(
     max_tokens: int,
     kv_quota_bytes: int | None = None,
     adapters: tuple[AdapterTemplate, ...] = (),
+    progressive: bool = True,
 ) -> ModelBinding:
     """Build a serving engine from the pool: acquire (resident tensors are not copied), views, KV.
 
@@ -371,11 +372,24 @@ def bind(
     as the binding serves (closing it releases the weights, which stay resident).
     ``kv_quota_bytes``: what the instance's pool ticket allows (see :meth:`ModelBinding.check_kv_room`).
     ``adapters``: the function's LoRA adapters (:meth:`ModelBinding.attach_adapters`).
+    ``progressive`` (TIDAL §5.2): when bytes must be loaded, the acquire returns before they are
+    in and the model waits per layer, so the first prefill overlaps the load of later layers;
+    False: load everything, then compute (the baseline of ``bench.overlap``).
     """
     t0 = time.perf_counter()
-    placements = client.acquire_placements(template.manifest)
+    readiness = None
+    if progressive:
+        from gpu_pool.readiness import MAX_READY_GROUPS
+        from runtime.models.layer_gate import stage_groups
+
+        names = [e.name for e in template.manifest.tensors]
+        layers = int(template.model.config["num_hidden_layers"])
+        groups = stage_groups(names, layers, MAX_READY_GROUPS)
+        placements, readiness = client.acquire_progressive(template.manifest, groups)
+    else:
+        placements = client.acquire_placements(template.manifest)
     timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
-    binding = bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings)
+    binding = bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings, readiness)
     try:
         binding.attach_adapters(client, adapters)
     except BaseException:
@@ -391,9 +405,12 @@ def bind_at(
     max_tokens: int,
     kv_quota_bytes: int | None = None,
     timings: dict[str, float] | None = None,
+    readiness: Any = None,
 ) -> ModelBinding:
     """:func:`bind` for weights ``client`` acquired at ``placements`` (arena offsets by tensor
-    name): the views and the engine. ``timings`` gains ``build_ms``."""
+    name): the views and the engine. ``timings`` gains ``build_ms``. ``readiness``: a
+    :class:`gpu_pool.readiness.Readiness` of a progressive acquire still loading (the model
+    waits per layer, :mod:`runtime.models.layer_gate`)."""
     import torch
 
     from runtime.engine.build import PoolKV, build_engine
@@ -405,8 +422,13 @@ def bind_at(
     tensors = client.views(template.manifest, placements)
     config = LlamaConfig.from_hf(template.model.config)
     dtype = getattr(torch, profile["kv_dtype"])
+    gate = None
+    if readiness is not None:
+        from runtime.models.layer_gate import LayerGate
+
+        gate = LayerGate(readiness, [e.name for e in template.manifest.tensors], config.num_layers)
     engine = build_engine(
-        LlamaModel(config, tensors),
+        LlamaModel(config, tensors, gate=gate),
         template.tokenizer,
         template.eos_ids,
         PoolKV(client, profile["kv_block_bytes"], template.model.model_id, _block_prefill_s(profile)),

@@ -131,6 +131,7 @@ def register(
                 "dtype": dtype,
                 "quantization": dtype if dtype in QUANTIZED else None,
                 "architecture": config["architectures"][0],
+                "access_order": "traced",  # the store entry's tensor order (runtime.access_order)
                 "seconds": round(time.perf_counter() - start, 3),
             }
             (tmp / _RECORD).write_text(json.dumps(record, indent=1))
@@ -164,6 +165,7 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
     import torch
 
     from gpu_pool import store
+    from runtime.access_order import ACCESS_ORDER_VERSION, ordered, trace_access_order
     from runtime.gguf_import import GGMLBlocks
     from runtime.store_weights import StoreWeights
 
@@ -204,7 +206,12 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
     (out / "config.json").write_text(json.dumps(config, indent=1))
     profile = materialize_profile(config, weights.tensors, dtype)
     (out / _PROFILE).write_text(json.dumps(profile, indent=1))
-    store.write(out / _STORE_DIR, weights.tensors, model_id=model_id, metadata=weights.metadata())
+    # TIDAL: the entry lists its tensors in the order the forward touches them, which a
+    # (progressive) acquire loads them in.
+    order = trace_access_order(config, weights.tensors)
+    metadata = weights.metadata()
+    metadata["access_order"] = {"version": ACCESS_ORDER_VERSION, "traced": True, "tensors": len(order)}
+    store.write(out / _STORE_DIR, ordered(weights.tensors, order), model_id=model_id, metadata=metadata)
     return config
 
 

@@ -7,6 +7,10 @@ the lock, into regions reserved and pinned while it was held, so a slow load sta
 other session and the event loop keeps accepting connections and noticing disconnects.
 A connection that closes, for whatever reason including SIGKILL of its process, releases
 its session's pins and KV blocks.
+A progressive acquire (TIDAL §5.2, :mod:`gpu_pool.server.progressive`) replies once the
+tensors are placed and pinned, with a readiness pipe, and copies group by group in manifest
+(access) order in a task of its session: the session's next acquire waits for it, and its
+``release`` or disconnect cancels it (between groups) and aborts it before the pins go.
 Malformed messages get a typed error reply; an oversized frame gets a reply and the
 connection is closed (its framing can no longer be trusted); the daemon keeps serving.
 
@@ -40,20 +44,23 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from gpu_pool.arena.base import BaseArena
+from gpu_pool.acquire_report import AcquireReport
+from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.arena.kv_memory import SessionKV
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, InvalidArgument, LoadError, MessageTooLarge, OutOfMemory, PoolError
 from gpu_pool.manifest import Manifest
 from gpu_pool.planner.regions import align_up
+from gpu_pool.server import progressive
 from gpu_pool.server.access import AccessControl, Session
 from gpu_pool.server.hardening import make_undumpable
 from gpu_pool.server.manifest_cache import ManifestCache
 from gpu_pool.server.prefix_kv import BlockCopy
-from gpu_pool.server.reuse_store import AcquireResult, KVBlock, ReuseStore, StoreConfig
+from gpu_pool.server.reuse_store import AcquireResult, KVBlock, PendingAcquire, ReuseStore, StoreConfig
 from gpu_pool.store.trust import StoreTrust
 from gpu_pool.wire import fdpass, messages
 from gpu_pool.wire.protocol import (
@@ -116,6 +123,9 @@ class PoolDaemon:
         self._access = AccessControl(config.admin_token, config.default_session_kv_quota, config.max_tickets)
         # CPU pools give each session its own KV pages; on CUDA, KV blocks stay in the arena.
         self._private_kv = self.arena.share_fd() is not None
+        # Progressive acquires (gpu_pool.server.progressive): session -> its load task, cancel flag.
+        self._progressive: dict[str, tuple[asyncio.Task[None], threading.Event]] = {}
+        self._transient_fds: set[int] = set()  # descriptors to close once their reply is sent
 
     async def start(self) -> None:
         """Bind the socket (replacing a stale one) and start accepting."""
@@ -195,23 +205,29 @@ class PoolDaemon:
                         reply["fds"] = len(fds)
                     frame = encode(reply)
                 except PoolError as exc:
+                    self._close_transient(fds)
                     fds = []
                     frame = encode_reply(error_reply(exc, request_id))
                 except Exception as exc:  # a bug (or an unencodable reply): answer it, log it, keep serving
                     log.exception("internal error serving %s", session.session_id)
+                    self._close_transient(fds)
                     fds = []
                     failure = PoolError(f"internal error: {type(exc).__name__}: {exc}")
                     frame = encode_reply(error_reply(failure, request_id))
-                writer.write(frame)
-                if fds:
-                    await fdpass.send_fds(writer, fds)
-                    session.kv_sent = session.kv_sent or (session.kv is not None and session.kv.fd in fds)
-                else:
-                    await writer.drain()
+                try:
+                    writer.write(frame)
+                    if fds:
+                        await fdpass.send_fds(writer, fds)
+                        session.kv_sent = session.kv_sent or (session.kv is not None and session.kv.fd in fds)
+                    else:
+                        await writer.drain()
+                finally:
+                    self._close_transient(fds)
         except (ConnectionError, OSError):
             pass  # the peer went away mid-reply; the session is released below
         finally:
             self._connections.pop(task, None)
+            await self._finish_progressive(session.session_id, cancel=True)
             async with self._lock:
                 self.store.close_session(session.session_id)
             if session.kv is not None:
@@ -226,19 +242,9 @@ class PoolDaemon:
         A slow load therefore stalls no other session. A session that needs a tensor another
         session is still loading waits for that load (and fails if it fails).
         """
-        loop = asyncio.get_running_loop()
-        async with self._lock:
-            pending = self.store.begin_acquire(session_id, manifest, access)
-            waits = [self._loading[k] for k in pending.waits_on]
-            mine = {k: loop.create_future() for k in pending.missing}
-            self._loading.update(mine)
+        pending, mine = await self._begin(session_id, manifest, access)
         ok = False
         try:
-            for other in waits:
-                if not await asyncio.shield(other):
-                    raise LoadError(
-                        f"loading {manifest.model_id}: a concurrent load of a shared tensor failed"
-                    )
             # A resident model has nothing to copy: no thread hop (0.3-1 ms on the cold path).
             load_seconds = await asyncio.to_thread(self.store.load, pending) if pending.jobs else 0.0
             async with self._lock:
@@ -246,12 +252,119 @@ class PoolDaemon:
             ok = True
             return result
         finally:
-            if not ok:
+            await self._settle(pending, mine, ok)
+
+    async def _begin(
+        self, session_id: str, manifest: Manifest, access: bool
+    ) -> tuple[PendingAcquire, dict[str, asyncio.Future[bool]]]:
+        """Plan and pin under the lock, then wait for other sessions' loads of shared tensors;
+        returns the pending acquire and the futures of the loads it owns."""
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            pending = self.store.begin_acquire(session_id, manifest, access)
+            waits = [self._loading[k] for k in pending.waits_on]
+            mine = {k: loop.create_future() for k in pending.missing}
+            self._loading.update(mine)
+        try:
+            for other in waits:
+                if not await asyncio.shield(other):
+                    raise LoadError(
+                        f"loading {manifest.model_id}: a concurrent load of a shared tensor failed"
+                    )
+        except BaseException:
+            await self._settle(pending, mine, False)
+            raise
+        return pending, mine
+
+    async def _settle(self, pending: PendingAcquire, mine: dict[str, asyncio.Future[bool]], ok: bool) -> None:
+        """End an acquire: abort it unless ``ok``, and tell waiting sessions how its loads went."""
+        if not ok:
+            async with self._lock:
+                self.store.abort_acquire(pending)
+        for k, future in mine.items():
+            self._loading.pop(k, None)
+            future.set_result(ok)
+
+    async def _acquire_progressive(
+        self, session: Session, manifest: Manifest, request: messages.Acquire
+    ) -> Reply:
+        """Reply with placements and a readiness pipe once planned; copy in the background."""
+        ends = progressive.group_ends(len(manifest.tensors), request.groups)  # before pinning anything
+        pending, mine = await self._begin(session.session_id, manifest, request.access)
+        if not pending.jobs:  # all resident: a plain reply, no pipe
+            ok = False
+            try:
                 async with self._lock:
-                    self.store.abort_acquire(pending)
-            for k, future in mine.items():
-                self._loading.pop(k, None)
-                future.set_result(ok)
+                    result = self.store.complete_acquire(pending, 0.0)
+                ok = True
+            finally:
+                await self._settle(pending, mine, ok)
+            return {"placements": result.placements, "report": result.to_wire()}, []
+        groups = progressive.plan_groups(pending, ends)
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        cancel = threading.Event()
+        task = asyncio.create_task(self._load_progressively(pending, mine, groups, write_fd, cancel))
+        self._progressive[session.session_id] = (task, cancel)
+        self._transient_fds.add(read_fd)
+        unique = pending.unique
+        report = AcquireReport(
+            bytes_loaded=sum(unique[k].nbytes for k in pending.missing),
+            bytes_reused=sum(unique[k].nbytes for k in pending.resident),
+            bytes_moved=pending.bytes_moved,
+            bytes_evicted=pending.bytes_evicted,
+            load_seconds=0.0,  # still loading: the readiness pipe tells when it ends
+            plan_seconds=pending.plan_seconds,
+            move_seconds=pending.move_seconds,
+        )
+        placements = {e.name: self.store.tensors[pending.keys[e.name]].offset for e in manifest.tensors}
+        readiness = {"v": messages.READINESS_VERSION, "groups": list(ends)}
+        return {"placements": placements, "report": report.to_wire(), "readiness": readiness}, [read_fd]
+
+    async def _load_progressively(
+        self,
+        pending: PendingAcquire,
+        mine: dict[str, asyncio.Future[bool]],
+        groups: list[list[CopyJob]],
+        write_fd: int,
+        cancel: threading.Event,
+    ) -> None:
+        ok = False
+        try:
+            seconds = await asyncio.to_thread(
+                progressive.copy_groups, self.store, pending, groups, write_fd, cancel
+            )
+            async with self._lock:
+                self.store.complete_acquire(pending, seconds)
+            ok = True
+            progressive.signal(write_fd, progressive.READY)  # the last group: committed
+        except progressive.LoadCancelled:
+            pass
+        except Exception:
+            log.exception("progressive load of %s failed", pending.manifest.model_id)
+        finally:
+            if not ok:
+                progressive.signal(write_fd, progressive.FAILED)
+            os.close(write_fd)
+            await self._settle(pending, mine, ok)
+
+    async def _finish_progressive(self, session_id: str, cancel: bool) -> None:
+        """Wait for the session's progressive load (cancelled first when ``cancel``): nothing
+        may unpin its regions while a worker thread still copies into them."""
+        entry = self._progressive.pop(session_id, None)
+        if entry is None:
+            return
+        task, flag = entry
+        if cancel:
+            flag.set()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def _close_transient(self, fds: list[int]) -> None:
+        """Close the descriptors among ``fds`` that were made for one reply (a readiness pipe's
+        read end): sent or not, the daemon keeps no copy."""
+        for fd in fds:
+            if fd in self._transient_fds:
+                self._transient_fds.discard(fd)
+                os.close(fd)
 
     async def _trusted(self, manifest: Manifest) -> Manifest:
         """``manifest`` checked against the model store (see :mod:`gpu_pool.store.trust`), with its
@@ -287,14 +400,19 @@ class PoolDaemon:
             return {"stats": self.store.stats()}, []
 
     async def _on_acquire(self, session: Session, request: messages.Acquire) -> Reply:
+        await self._finish_progressive(session.session_id, cancel=False)  # one load per session
         if request.manifest_bin is not None:
             parsed = self._manifests.get(request.manifest_bin)
         else:
             parsed = Manifest.from_dict(request.manifest)
-        result = await self._acquire(session.session_id, await self._trusted(parsed), request.access)
+        trusted = await self._trusted(parsed)
+        if request.progressive:
+            return await self._acquire_progressive(session, trusted, request)
+        result = await self._acquire(session.session_id, trusted, request.access)
         return {"placements": result.placements, "report": result.to_wire()}, []
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:
+        await self._finish_progressive(session.session_id, cancel=True)
         async with self._lock:
             blocks = self._kv_ranges(self.store.sessions[session.session_id].kv)
             self.store.release(session.session_id)

@@ -302,11 +302,17 @@ class ReuseStore:
     def load(self, pending: PendingAcquire) -> float:
         """Copy the missing tensors' bytes into their places (thread-safe against planning:
         the regions are reserved and pinned); returns the seconds it took."""
-        if not pending.jobs:
+        return self.load_jobs(pending, pending.jobs)
+
+    def load_jobs(self, pending: PendingAcquire, jobs: Iterable[CopyJob]) -> float:
+        """:meth:`load` of some of ``pending``'s jobs (a progressive acquire copies its jobs
+        group by group, in access order); returns the seconds it took."""
+        copies = list(jobs)
+        if not copies:
             return 0.0
         t0 = time.perf_counter()
         try:
-            self.arena.load(group_copies(list(pending.jobs)))
+            self.arena.load(group_copies(copies))
         except OSError as exc:
             raise LoadError(f"loading {pending.manifest.model_id}: {exc}") from exc
         return time.perf_counter() - t0

@@ -4,7 +4,8 @@ A store entry is a directory holding ``tensors.safetensors`` (the bytes) and
 ``manifest.json`` (the versioned manifest with fingerprints and byte offsets into the
 safetensors file, whose name is stored relative to the entry so the entry can be moved).
 :func:`write` builds one from named torch tensors; registration of real
-models and the tests both go through it. Writing is atomic: the entry appears complete
+models and the tests both go through it; the file holds the tensors' bytes in the order given
+(registration's is the model's traced access order). Writing is atomic: the entry appears complete
 under its final name or not at all.
 """
 
@@ -75,7 +76,8 @@ def write(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        save_file(contiguous, str(tmp / TENSORS_FILE))
+        if not _save_in_order(contiguous, tmp / TENSORS_FILE):
+            save_file(contiguous, str(tmp / TENSORS_FILE))
         manifest = _manifest_from_safetensors(
             tmp / TENSORS_FILE,
             model_id or final.name,
@@ -94,6 +96,35 @@ def write(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _save_in_order(tensors: dict[str, torch.Tensor], file: Path) -> bool:
+    """Write a safetensors file whose data lies in ``tensors``' order (``save_file`` sorts by
+    dtype and name). Registration passes the model's access order (TIDAL: the layout follows
+    it, so a layer's bytes are one extent and a load in that order reads the file forward).
+    Returns False, writing nothing, when a tensor would start at an offset that is not a
+    multiple of its element size, or has a dtype without a safetensors tag."""
+    import torch
+
+    tags = {torch_name: tag for tag, torch_name in _SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        tag = tags.get(str(t.dtype).removeprefix("torch."))
+        if tag is None or offset % t.element_size():
+            return False
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": tag, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    return True
 
 
 def _manifest_json(path: str | os.PathLike[str]) -> tuple[Path, Any]:

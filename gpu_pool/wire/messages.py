@@ -9,6 +9,7 @@ explicit bounds, so no handler ever sees a value whose arithmetic could overflow
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +23,10 @@ MAX_PREFIX_BLOCKS = 4096  # per kv_publish / kv_restore: 64k tokens of 16-token 
 MAX_LAYOUT_CHARS = 256
 PREFIX_HASH_BYTES = 16  # the engine's block hash (blake2b-128)
 MAX_RECOMPUTE_S = 3600.0  # a publisher's stated recompute time per block
+# Readiness groups of a progressive acquire: one byte each on a pipe whose buffer (64 KiB on
+# Linux) must hold them all, so the daemon's writes never block on a client that does not read.
+MAX_READY_GROUPS = 4096
+READINESS_VERSION = 1  # the progressive acquire reply's ``readiness`` map
 
 
 def _int(msg: dict[str, Any], op: str, name: str, lo: int, hi: int) -> int:
@@ -75,12 +80,19 @@ class Hello(Request):
 @dataclass(frozen=True, slots=True)
 class Acquire(Request):
     """Pin a manifest's tensors (``manifest_bin``: its msgpack encoding; or ``manifest``);
-    ``access`` false: not a request for the model (not counted in its rate or reuse counters)."""
+    ``access`` false: not a request for the model (not counted in its rate or reuse counters).
+
+    ``progressive`` (TIDAL §5.2): reply once the tensors are placed and pinned, before their
+    bytes are in, with a readiness pipe; ``groups`` are the ends (exclusive, strictly
+    increasing, the last one the manifest's tensor count) of the groups of manifest tensors,
+    in manifest (access) order, whose readiness the pipe reports one byte each."""
 
     op: ClassVar[str] = "acquire"
     manifest_bin: bytes | None
     manifest: Any
     access: bool = True  # False: not a request for the model (a standby's preparation)
+    progressive: bool = False
+    groups: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Acquire:
@@ -90,7 +102,23 @@ class Acquire(Request):
         access = msg.get("access", True)
         if not isinstance(access, bool):
             raise ProtocolError("acquire: 'access' must be a boolean")
-        return cls(encoded, msg.get("manifest"), access)
+        progressive = msg.get("progressive", False)
+        if not isinstance(progressive, bool):
+            raise ProtocolError("acquire: 'progressive' must be a boolean")
+        raw_groups = msg.get("groups", [])
+        if not isinstance(raw_groups, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) for g in raw_groups
+        ):
+            raise ProtocolError("acquire: 'groups' must be a list of integers")
+        if len(raw_groups) > MAX_READY_GROUPS:
+            raise InvalidArgument(f"acquire: at most {MAX_READY_GROUPS} groups", "groups")
+        if raw_groups and not progressive:
+            raise InvalidArgument("acquire: 'groups' needs 'progressive'", "groups")
+        if any(not 0 < g <= MAX_COUNT for g in raw_groups) or any(
+            a >= b for a, b in itertools.pairwise(raw_groups)
+        ):
+            raise InvalidArgument("acquire: 'groups' must be strictly increasing positive ends", "groups")
+        return cls(encoded, msg.get("manifest"), access, progressive, tuple(raw_groups))
 
 
 @dataclass(frozen=True, slots=True)

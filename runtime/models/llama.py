@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the universal alias
 
+from runtime.models.layer_gate import LayerGate
 from runtime.models.lora import LoraAdapter, LoraBatch, plain
 from runtime.models.quant_weight import QuantWeight, bind_weight
 
@@ -151,10 +152,15 @@ class LlamaModel:
         use_cuda_kernels: bool | None = None,
         cpu_kernels: str | None = None,
         adapters: dict[str, LoraAdapter] | None = None,
+        gate: LayerGate | None = None,
     ) -> None:
+        """``gate``: the weights are still loading (a progressive pool acquire); the forward
+        waits for each layer's tensors before it uses them. Nothing reads a weight's bytes
+        before the forward does."""
         self.config = config
         # LoRA adapters a sequence may name (by key), applied unmerged per row (runtime.models.lora).
         self.adapters: dict[str, LoraAdapter] = dict(adapters or {})
+        self.gate = gate
         self.weights = w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
@@ -215,8 +221,12 @@ class LlamaModel:
                 None if batch.logit_rows is None else batch.logit_rows.to(device),
                 None if batch.lora is None else batch.lora.to(device),
             )
+        gate = self.gate
+        if gate is not None and gate.done:  # everything is in: no check from now on
+            self.gate = gate = None
         # The CPU kernels return last-token logits only: other rows take the torch path. They
-        # know no LoRA either: a batch with any adapter row decodes on the torch path.
+        # know no LoRA either: a batch with any adapter row decodes on the torch path. They
+        # wait per layer for a model still loading (runtime.models.llama_decode) as this does.
         if (
             self.cpu_kernels is not None
             and batch.logit_rows is None
@@ -225,11 +235,15 @@ class LlamaModel:
         ):
             return self.cpu_kernels.step(kv_blocks)(batch)
         proj = plain if batch.lora is None else batch.lora.project  # (layer, module, x, w, bias)
+        if gate is not None:
+            gate.wait(0)
         x = F.embedding(batch.input_ids, self.embed)  # (N, E)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]
         block_idx, block_off = batch.slots // block_size, batch.slots % block_size
         for layer_id, lw in enumerate(self.layers):
+            if gate is not None:
+                gate.wait(layer_id + 1)
             h = _rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q = proj(layer_id, "q_proj", h, lw.qkv[0], lw.qkv_bias[0] if lw.qkv_bias else None)
             k = proj(layer_id, "k_proj", h, lw.qkv[1], lw.qkv_bias[1] if lw.qkv_bias else None)
@@ -264,6 +278,8 @@ class LlamaModel:
             last = batch.logit_rows
         else:
             last = torch.tensor(list(itertools.accumulate(batch.query_lens)), device=device) - 1
+        if gate is not None:
+            gate.wait(cfg.num_layers + 1)
         x = _rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         if batch.logit_rows is not None:
             return x

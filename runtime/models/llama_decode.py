@@ -128,8 +128,15 @@ class KernelStep:
         tab_p, width, rows_p, ctx_p = tables.data_ptr(), tables.shape[1], rows.data_ptr(), ctx.data_ptr()
         cos, sin, scale = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5
         flags, flags_acc = w.flags, w.flags | ops.ACCUMULATE
+        gate = self.model.gate  # weights still loading (runtime.models.layer_gate): wait per layer
+        if gate is not None:
+            gate.wait(0)
         k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
-        for (in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv in zip(w.layers, self.kv, strict=True):
+        for i, ((in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv) in enumerate(
+            zip(w.layers, self.kv, strict=True)
+        ):
+            if gate is not None:
+                gate.wait(i + 1)
             k.rms_norm(x, e, 0, hb, e, in_norm, w.norm_code, n, e, eps, rnd)
             k.linear(threads, qkv_d.data_ptr(), 3, hb, e, n, e, qkv, qkv_w, flags, 0)
             k.rope(qkv, qkv_w, h + hkv, d, pos_p, n, cos, sin, rnd)
@@ -144,6 +151,8 @@ class KernelStep:
             k.rms_norm(x, e, 0, hb, e, post_norm, w.norm_code, n, e, eps, rnd)
             k.linear(threads, mlp_d.data_ptr(), 2, hb, e, n, e, mlp, inter, flags, 1)
             k.linear(threads, down_d.data_ptr(), 1, mlp, inter, n, inter, x, e, flags_acc, 0)
+        if gate is not None:
+            gate.wait(cfg.num_layers + 1)
         k.rms_norm(x, e, last, hb, e, w.norm, w.norm_code, bsz, e, eps, rnd)
         logits = torch.empty(bsz, cfg.vocab_size)
         k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, flags, 0)

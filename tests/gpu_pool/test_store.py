@@ -293,3 +293,23 @@ def test_cpu_arena_refuses_non_regular_store_files(tmp_path: Path) -> None:
             arena.load([[CopyJob(str(fifo), 0, 0, 10)]])
     finally:
         arena.close()
+
+
+def test_the_file_lays_tensors_out_in_the_order_given(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {
+        "z.first": torch.arange(6, dtype=torch.float32),
+        "a.second": torch.arange(4, dtype=torch.bfloat16),
+        "m.third": torch.arange(10, dtype=torch.int8),
+    }
+    manifest = store.write(tmp_path / "ordered", tensors)
+    offsets = [e.offset for e in manifest.tensors]
+    assert [e.name for e in manifest.tensors] == list(tensors) and offsets == sorted(offsets)
+    loaded = load_file(str(tmp_path / "ordered" / store.TENSORS_FILE))
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    # A float32 after an odd number of bytes would be unaligned: the library's layout instead.
+    odd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.ones(2, dtype=torch.float32)}
+    manifest = store.write(tmp_path / "odd", odd)
+    assert store.verify(manifest) == []
+    assert manifest["b"].offset < manifest["a"].offset

@@ -1,0 +1,78 @@
+"""Per-layer waits of a model whose weights are still loading (TIDAL §5.2).
+
+A progressive pool acquire (:meth:`gpu_pool.client.PoolClient.acquire_progressive`) returns
+placements before the bytes are in, with a :class:`gpu_pool.readiness.Readiness` over the
+manifest's tensors in access order. :class:`LayerGate` turns that into the forward pass's
+stages: stage 0 the embeddings, stage ``i + 1`` decoder layer ``i``, the last stage the final
+norm and LM head. :meth:`LayerGate.wait` blocks until every tensor of a stage is in, so the
+prefill of the first layers runs while later layers load. Once everything is in, ``done``
+is set and the model drops the gate: a warm forward pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+LAYER_PREFIX = "model.layers."
+
+
+class TensorReadiness(Protocol):
+    """What the gate needs of a readiness (:class:`gpu_pool.readiness.Readiness`)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, index: int, timeout: float | None = None) -> None: ...
+
+
+def stage_of(name: str, num_layers: int) -> int:
+    """The forward stage that reads weight ``name``."""
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith(LAYER_PREFIX):
+        return int(name[len(LAYER_PREFIX) :].split(".", 1)[0]) + 1
+    return num_layers + 1  # the final norm, the LM head
+
+
+class LayerGate:
+    """Waits, stage by stage, for the tensors a forward stage reads."""
+
+    def __init__(self, readiness: TensorReadiness, names: Sequence[str], num_layers: int) -> None:
+        """``names``: the manifest's tensor names, in the order ``readiness`` indexes them."""
+        self.readiness = readiness
+        self.num_layers = num_layers
+        # The last manifest index each stage needs (-1: nothing): waiting for it waits for the
+        # stage's every tensor, since groups come in manifest order.
+        self.needs = [-1] * (num_layers + 2)
+        for i, name in enumerate(names):
+            stage = stage_of(name, num_layers)
+            self.needs[stage] = max(self.needs[stage], i)
+        self.waited_s = 0.0  # time the forward spent waiting for bytes
+
+    @property
+    def done(self) -> bool:
+        return self.readiness.done
+
+    def wait(self, stage: int, timeout: float | None = None) -> None:
+        """Block until stage ``stage``'s tensors are in (LoadError if their load failed)."""
+        index = self.needs[stage]
+        if index >= 0 and not self.readiness.done:
+            import time
+
+            t0 = time.perf_counter()
+            self.readiness.wait(index, timeout)
+            self.waited_s += time.perf_counter() - t0
+
+
+def stage_groups(names: Sequence[str], num_layers: int, max_groups: int) -> list[int] | None:
+    """Readiness group ends for a manifest of ``names``: a group ends where the forward stage
+    changes (one group per layer for a manifest in access order); None when that makes more
+    than ``max_groups`` groups (a manifest in another order: the pool's default groups)."""
+    ends = [
+        i
+        for i in range(1, len(names))
+        if stage_of(names[i], num_layers) != stage_of(names[i - 1], num_layers)
+    ]
+    ends.append(len(names))
+    return ends if len(ends) <= max_groups else None
