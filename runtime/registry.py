@@ -113,7 +113,9 @@ def register(
     final = root / model_id
     with file_lock(root / f".lock-{model_id}"):
         if (final / _RECORD).is_file():
-            return load(final)
+            model = load(final)
+            ensure_time_table(model)  # registered before time tables were materialized
+            return model
         _remove_stale_temporaries(root, model_id)
         tmp = root / f"{_TMP_PREFIX}{model_id}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -141,6 +143,34 @@ def register(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return load(final)
+
+
+def ensure_time_table(model: RegisteredModel) -> None:
+    """Materialize the CPU time table (runtime.iteration_profile) of a model registered without
+    one, from its store entry; the profile is replaced atomically (readers see old or new)."""
+    path = model.directory / _PROFILE
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # a broken profile: load() / profile() report it
+    cpu = profile.get("cpu")
+    if not isinstance(cpu, dict) or "time_table" in cpu:
+        return
+    import torch
+    from safetensors.torch import load_file
+
+    from runtime.iteration_profile import measure_time_table
+    from runtime.models.llama import LlamaConfig, LlamaModel
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted({e.file for e in model.manifest().tensors}):
+        tensors.update(load_file(file))
+    llama = LlamaModel(LlamaConfig.from_hf(model.config), tensors)
+    table = measure_time_table(llama, getattr(torch, cpu["kv_dtype"]), int(cpu["block_size"]))
+    cpu["time_table"] = table.to_json()
+    tmp = path.with_name(f"{_TMP_PREFIX}{_PROFILE}-{os.getpid()}")
+    tmp.write_text(json.dumps(profile, indent=1))
+    os.replace(tmp, path)
 
 
 def load(directory: Path) -> RegisteredModel:

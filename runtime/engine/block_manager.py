@@ -277,6 +277,24 @@ class BlockManager:
         seq.num_cached = 0
         seq.num_registered = 0
 
+    def reserve(self, num_blocks: int) -> bool:
+        """Hold ``num_blocks`` more unused blocks (fetched from the source now, not when a
+        sequence needs them: LLM-Mesh's early scale-up); False when the source has none."""
+        got = self.source.acquire(num_blocks) if num_blocks > 0 else []
+        if got is None:
+            return False
+        self.free.extend(got)
+        return True
+
+    def trim_free(self, keep: int) -> int:
+        """Return unused blocks without cached KV beyond ``keep`` to the source (LLM-Mesh's lazy
+        scale-down; the prefix cache's blocks stay); returns how many."""
+        extra = self.free[keep:] if keep >= 0 else []
+        if extra:
+            del self.free[keep:]
+            self.source.release(extra)
+        return len(extra)
+
     def trim(self, keep: int = 0) -> None:
         """Return unused blocks beyond ``keep`` to the source (free ones first, then cached),
         after handing the source what was queued for publishing."""

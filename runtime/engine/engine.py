@@ -25,6 +25,7 @@ from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus, Toke
 from runtime.mesh.gate import Gate
 from runtime.mesh.slo import RequestClock, Slo
 from runtime.mesh.state_page import Entry
+from runtime.mesh.watermark import Watermark
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
@@ -104,6 +105,10 @@ class Engine:
         self.gate: Gate | None = None
         self.slo = Slo()
         self.avg_out = 0.0  # output tokens of finished requests: a running mean (LLM-Mesh's O-bar)
+        # KV blocks held beyond the running requests' (scale_kv; bytes_per_token 1: in tokens).
+        self.watermark = Watermark(
+            bytes_per_token=1, w=0.2, min_tokens=self.config.block_size * self.config.refill_blocks
+        )
         self._num_finished = 0
 
     def schedule_with(self, gate: Gate, slo: Slo) -> None:
@@ -260,6 +265,28 @@ class Engine:
         self._publish()
         return [self.seqs[i] for i in ids]
 
+    def scale_kv(self) -> None:
+        """Watermark KV scaling (LLM-Mesh §6.2, Eq. 2) of the unused blocks this engine holds:
+        short of what its requests are expected to need (prompts plus the average output
+        length), it fetches up to that plus the watermark at once; above it by more than the
+        watermark twice, it returns the surplus to the pool for its neighbours. Blocks of
+        the prefix cache are kept either way."""
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        tokens = self.watermark.require(((len(s.prompt_ids), len(s.output_ids)) for s in seqs), self.avg_out)
+        blocks = self.blocks
+        require = -(-tokens // blocks.block_size) - len(blocks.evictable)  # cached blocks are reusable
+        current = blocks.num_held + len(blocks.free)
+        target = self.watermark.target(current, max(require, blocks.num_held))
+        if target is None:
+            return
+        try:
+            if target > current:
+                blocks.reserve(target - current)  # refused: the steps allocate on demand
+            else:
+                blocks.trim_free(max(0, target - blocks.num_held))
+        except Exception:  # the pool's trouble: costs only the scaling (a step finds out)
+            log.exception("scaling the KV blocks failed")
+
     def _publish(self) -> None:
         """Offer newly computed prompt blocks to the pool; a failure costs only the sharing."""
         try:
@@ -345,10 +372,12 @@ class Engine:
                     if gate is not None:
                         self.publish_state()
                         self._release(gate)
+                        self.scale_kv()  # co-located: unused KV goes back to the neighbours
                 await asyncio.sleep(0)
             else:
                 if self.gate is not None:
                     self._release(self.gate, idle=True)
+                    self.scale_kv()
                 self._publish()
                 self._work.clear()
                 await self._work.wait()

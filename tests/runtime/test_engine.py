@@ -536,3 +536,30 @@ def test_merged_choice_streams_closed_early_abort_every_choice(
 
         assert asyncio.run(run()) == set(range(n))
         assert engine.blocks.num_held == 0 and engine.seqs == {}
+
+
+def test_watermark_kv_scaling_grows_early_and_shrinks_lazily(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """LLM-Mesh §6.2 on the pool: with requests waiting the engine holds their expected KV
+    plus the watermark at once; once they finish, what they used goes back to the pool."""
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client, refill=1, prefix_caching=False)
+        engine.avg_out = 16.0  # the average output so far (tokens)
+        w = engine.watermark
+        for p in prompts(4):
+            engine.add_request(p, GREEDY)
+        engine.scale_kv()
+        tokens = sum(len(p) + 16 for p in prompts(4))
+        expected = w.recommend(-(-max(tokens, w.min_tokens) // BLOCK))
+        assert len(engine.blocks.free) == expected  # fetched before any step needs them
+        held_before = client.stats()["kv_bytes"]
+        engine.scale_kv()
+        assert client.stats()["kv_bytes"] == held_before  # within the watermark: no ping-pong
+        while engine.has_unfinished():
+            engine.step()
+        engine.scale_kv()  # idle now: L_min plus the watermark stays, the rest goes back
+        assert len(engine.blocks.free) == w.recommend(-(-w.min_tokens // BLOCK))
+        block_bytes = kv_block_bytes(LlamaConfig.from_hf(tiny.config), BLOCK, torch.float32)
+        assert client.stats()["kv_bytes"] == len(engine.blocks.free) * block_bytes
+        engine.close()

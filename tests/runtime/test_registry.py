@@ -347,3 +347,18 @@ def test_bad_gguf_headers_are_typed_errors(tmp_path: Path, head: bytes, problem:
     bad.write_bytes(head)
     with pytest.raises(ModelFormatError, match=problem):
         register(f"gguf:{bad}", home=tmp_path / "home")
+
+
+def test_registering_again_adds_a_missing_time_table(tiny_gguf: Path, tmp_path: Path) -> None:
+    model = register(str(tiny_gguf), "float32", home=tmp_path)
+    path = model.directory / "profile.json"
+    profile = json.loads(path.read_text())
+    del profile["cpu"]["time_table"]  # as an older registration wrote it
+    path.write_text(json.dumps(profile))
+    again = register(str(tiny_gguf), "float32", home=tmp_path)
+    assert again.directory == model.directory
+    from runtime.mesh.time_table import TimeTable
+
+    table = TimeTable.from_json(again.profile("cpu")["time_table"])
+    assert table.prefill(16) > 0
+    assert again.profile("cpu")["kv_block_bytes"] == profile["cpu"]["kv_block_bytes"]  # the rest kept
