@@ -14,7 +14,13 @@ Reads the newest line of each benchmark's file under ``--data`` (default
 * ``tangram_fig12.jsonl`` (``bench.tangram --figure 12``): ``tangram_fig12.png``, load time
   relative to no reuse per locality level and batch size;
 * ``zoo_dedup.jsonl`` (``bench.zoo --dedup``): ``zoo_dedup.png``, resident bytes of a base and
-  its fine-tuned variants against base + differing tensors.
+  its fine-tuned variants against base + differing tensors;
+* ``mesh.jsonl`` (``bench.mesh``): ``mesh_capacity.png``, SLO attainment against request rate,
+  co-located with token-level scheduling vs one instance per device (LLM-Mesh);
+* ``overlap.jsonl`` (``bench.overlap``): ``tidal_overlap.png``, an evicted model's cold start
+  overlapped with its loading vs load-then-compute (TIDAL Eq. 1);
+* ``lora.jsonl`` (``bench.lora``): ``tidal_lora.png``, TTFT with per-request adapters and the
+  pool's resident bytes against base + adapters.
 
 A missing file skips its figures (said on stderr); a file whose lines are not the expected
 benchmark's fails loudly. Rendering uses the Agg backend (no display).
@@ -34,7 +40,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import plots_tangram
+from bench import plots_mesh, plots_tangram
 
 MiB = 1 << 20
 POLICY_COLORS = {"iam": "#d62728", "lru": "#1f77b4", "lfu": "#2ca02c", "arc": "#9467bd", "srrip": "#ff7f0e"}
@@ -141,6 +147,9 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Path], list[Path]]]] = {
     "tangram_fig10.jsonl": ("tangram", plots_tangram.plot_fig10),
     "tangram_fig12.jsonl": ("tangram", plots_tangram.plot_fig12),
     "zoo_dedup.jsonl": ("zoo", plots_tangram.plot_dedup),
+    "mesh.jsonl": ("mesh", plots_mesh.plot_mesh),
+    "overlap.jsonl": ("overlap", plots_mesh.plot_overlap),
+    "lora.jsonl": ("lora", plots_mesh.plot_lora),
 }
 
 
