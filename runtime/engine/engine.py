@@ -29,7 +29,8 @@ from runtime.mesh.watermark import Watermark
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
-ADMIT_RETRY_S = 0.05  # a refused request asks the shadow validation again this often
+ADMIT_RETRY_S = 0.05  # a refused request asks the shadow validation again after this, then
+ADMIT_RETRY_MAX_S = 0.4  # twice as long each time up to this (the agent validates every ask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +128,16 @@ class Engine:
         due = arrival + self.slo.ttft_for(prompt_tokens)
         try:
             for _ in range(n):
+                pause = ADMIT_RETRY_S
                 while (case := await gate.admit(prompt_tokens)) != 0:
-                    if time.monotonic() + ADMIT_RETRY_S > due:
+                    if time.monotonic() + pause > due:
                         raise SloUnattainable(
                             f"the device cannot start {prompt_tokens} prompt tokens within the "
                             f"{self.slo.ttft_for(prompt_tokens):g} s TTFT SLO without missing an SLO "
                             f"(shadow validation case {case}); retry later"
                         )
-                    await asyncio.sleep(ADMIT_RETRY_S)  # requests finish meanwhile: ask again
+                    await asyncio.sleep(pause)  # requests finish meanwhile: ask again, less often
+                    pause = min(2 * pause, ADMIT_RETRY_MAX_S)
         except (OSError, ValueError) as exc:  # GateClosed, WireError: the agent is gone
             log.error("token scheduling ends, the instance runs on its own: %s", exc)
             self.gate = None

@@ -100,8 +100,12 @@ class Gate:
 
     def _dispatch(self, message: Message) -> None:
         if message.op is Op.GRANT:
-            if self._grant is None or self._grant.done():
+            if self._grant is None:
                 raise GateClosed("a grant nobody asked for")
+            if self._grant.done():  # its waiter was cancelled (the engine closes): hand it back
+                self._grant = None
+                self._send(Message(Op.DONE))
+                return
             self._grant.set_result(message.value == 1.0)
         elif message.op is Op.YIELD:
             if self._held:  # else: a stale YIELD of a lease given back already
@@ -109,7 +113,9 @@ class Gate:
         elif message.op is Op.VERDICT:
             if not self._verdicts:
                 raise GateClosed("a verdict nobody asked for")
-            self._verdicts.popleft().set_result(int(message.value))
+            verdict = self._verdicts.popleft()
+            if not verdict.done():  # else its request went away while it waited (cancelled)
+                verdict.set_result(int(message.value))
         else:
             raise GateClosed(f"the agent may not send {message.op.name}")
 

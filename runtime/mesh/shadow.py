@@ -100,7 +100,7 @@ def validate(
     new: ShadowRequest,
     now: float,
     horizon_tokens: int = 3,
-    max_cycles: int = 512,
+    max_cycles: int = 128,
 ) -> Verdict:
     """Whether ``new`` may join instance ``target_id`` of the device whose instances are
     ``instances`` at time ``now`` (see the module docstring). ``instances`` is not modified."""

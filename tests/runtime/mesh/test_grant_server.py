@@ -185,3 +185,31 @@ async def _test_admission_reads_every_instance_page_and_refuses_what_would_break
 
 def test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo() -> None:
     asyncio.run(_test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo())
+
+
+async def _test_a_request_that_goes_away_while_waiting_leaves_nothing_behind() -> None:
+    """A cancelled admission's verdict, and a grant for an engine that stopped waiting, are
+    handed back: the gate stays usable and the device is not held by nobody."""
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    grants = DeviceGrants("cpu")
+    a, b = pair(grants, "a"), pair(grants, "b")
+    asking = asyncio.create_task(a.admit(10))
+    await asyncio.sleep(0)  # ADMIT sent, waiting for the verdict ...
+    asking.cancel()  # ... when its client goes away
+    await asyncio.sleep(0.01)
+    assert await a.admit(10) == 0 and not errors
+    await a.acquire(1.0)  # a holds the device (leased) ...
+    waiting = asyncio.create_task(b.acquire(2.0))
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # ... b's engine stops waiting (it closes)
+    await asyncio.sleep(0.01)
+    a.release()
+    await asyncio.wait_for(a.acquire(1.0), 1.0)  # b's grant came back at once, not after 30 s
+    assert grants.scheduler.running == "a" and not errors
+    a.idle()
+    a.close(), b.close(), grants.close()
+
+
+def test_a_request_that_goes_away_while_waiting_leaves_nothing_behind() -> None:
+    asyncio.run(_test_a_request_that_goes_away_while_waiting_leaves_nothing_behind())
