@@ -100,15 +100,16 @@ class ColdStarter:
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
         reports = await on_loop(self.state.device_reports)
+        limit = self.instances_per_device
+        live = await asyncio.to_thread(self.live_per_device) if limit else {}
         devices = []
         for device_id in self.launcher.devices():
+            if limit and live.get(device_id, 0) - (vacating or {}).get(device_id, 0) >= limit:
+                continue  # as many instances as it may run: none starts there now
             r = reports.get(device_id)
             if r is None:  # not reported yet: assume an empty device of unknown size
                 devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
-            limit = self.instances_per_device
-            if limit and r.num_instances - (vacating or {}).get(device_id, 0) >= limit:
-                continue  # as many instances as it may run: none starts there now
             models = (unpinned or {}).get(device_id)
             freed = 0 if models is None else r.kv_bytes + sum(r.resident_bytes.get(m, 0) for m in models)
             devices.append(
@@ -122,6 +123,16 @@ class ColdStarter:
             )
         placement = place([ModelDemand(model.model_id, model.weight_bytes)], devices)[0]
         return placement.device_id, placement.expected_start_s
+
+    def live_per_device(self) -> dict[str, int]:
+        """Starting and ready instances of every function, per device (from Redis: the device
+        reports are up to a second old and do not know the instances being started)."""
+        counts: dict[str, int] = {}
+        for name in self.state.functions_with_instances():
+            for inst in self.state.instances(name):
+                if inst.state in ("starting", "ready"):
+                    counts[inst.device] = counts.get(inst.device, 0) + 1
+        return counts
 
     async def could_ever_fit(self, record: FunctionRecord) -> bool:
         """Whether some device's pool is large enough for the model at all, every byte of it

@@ -233,7 +233,6 @@ class DeviceReport:
     load_bandwidth: float  # bytes/s the pool measured loading from disk (0: not measured yet)
     capacity_bytes: int = 0  # the pool's arena (0: not reported)
     kv_bytes: int = 0  # KV blocks its sessions hold (neither free nor evictable until they end)
-    num_instances: int = 0  # instances the agent runs on it (of every function)
 
     @staticmethod
     def encode(report: Mapping[str, Any], updated: float | None = None) -> dict[str, Any]:
@@ -259,5 +258,4 @@ class DeviceReport:
             _float(data.get("load_bandwidth") or 0.0, "load_bandwidth"),
             _int(data.get("capacity_bytes", 0), "capacity_bytes"),
             _int(data.get("kv_bytes", 0), "kv_bytes"),
-            _int(data.get("instances", 0), "instances"),
         )

@@ -137,6 +137,7 @@ class Router:
         self.leases = Leases(self.config.lease_s, self.config.max_leases, self.release, self._spawn)
         self._last_report = 0.0
         self._reclaiming = asyncio.Lock()
+        self._placing = asyncio.Lock()  # with a limit of instances per device
 
     # ----- routing --------------------------------------------------------------------------
 
@@ -252,6 +253,15 @@ class Router:
             return
         if self.starter.room_pause_s(name) > 0:
             return  # its pool refused it for room again and again: wait (see ColdStarter)
+        if self.config.instances_per_device:
+            async with self._placing:  # placement and the new record together, or two fill one slot
+                await self._place_and_start(name, record, deadline, want, left)
+            return
+        await self._place_and_start(name, record, deadline, want, left)
+
+    async def _place_and_start(
+        self, name: str, record: FunctionRecord, deadline: float, want: int, left: float
+    ) -> None:
         device, expected = await self.starter.place(record)
         if device is None:
             # Before stopping anything: no instance of any function frees room for it.
