@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 DECODE_BATCHES = (1, 4, 16)
 DECODE_LENGTHS = (64, 512)
-CHEAP_S = 0.25  # a point faster than this is timed twice
+CHEAP_S = 0.25  # a point faster than this is timed three times
+MIN_PREFILL_POINTS = 3  # measured before a slow point may end the prefill sweep
 
 
 def measure_time_table(
@@ -56,10 +57,10 @@ def measure_time_table(
         return time.perf_counter() - t0
 
     def timed(batch: Batch) -> float:
-        """The faster of two passes when one is cheap (another process's burst on a shared
-        core would otherwise stay in the table)."""
+        """The fastest of three passes when one is cheap (another process's burst on a shared
+        core would otherwise stay in the table and make admissions refuse what fits)."""
         first = once(batch)
-        return min(first, once(batch)) if first < CHEAP_S else first
+        return min(first, once(batch), once(batch)) if first < CHEAP_S else first
 
     def prefill(n: int) -> Batch:
         pos = torch.arange(n)
@@ -81,8 +82,31 @@ def measure_time_table(
     for n in lengths:
         seconds = timed(prefill(n))
         prefill_lengths.append(n)
-        prefill_s.append(max([seconds, *prefill_s[-1:]]))  # a longer prompt never takes less
-        if seconds > max_point_s:
+        prefill_s.append(seconds)
+        if seconds > max_point_s and len(prefill_lengths) >= MIN_PREFILL_POINTS:
             break
-    rows = tuple(tuple(timed(decode(b, length)) for length in decode_lengths) for b in DECODE_BATCHES)
-    return TimeTable(tuple(prefill_lengths), tuple(prefill_s), DECODE_BATCHES, decode_lengths, rows)
+    grid = [[timed(decode(b, length)) for length in decode_lengths] for b in DECODE_BATCHES]
+    return TimeTable(
+        tuple(prefill_lengths),
+        tuple(_capped_by_later(prefill_s)),
+        DECODE_BATCHES,
+        decode_lengths,
+        _capped_grid(grid),
+    )
+
+
+def _capped_by_later(values: list[float]) -> list[float]:
+    """Each value at most every later one: more work never takes less time, so a point above
+    a larger one is a burst of another process (an outlier upwards would make admissions
+    refuse requests the device can serve)."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def _capped_grid(grid: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    """:func:`_capped_by_later` along lengths, then along batch sizes."""
+    rows = [_capped_by_later(row) for row in grid]
+    columns = [_capped_by_later(list(col)) for col in zip(*rows, strict=True)]
+    return tuple(tuple(col[b] for col in columns) for b in range(len(rows)))

@@ -4,7 +4,8 @@ The agent knows, for each instance on a device, its model's time table (material
 registration), its function's SLO and its state page (the requests it holds now,
 :mod:`runtime.mesh.state_page`). :func:`admit` turns them into the device's shadow
 (:mod:`runtime.mesh.shadow`) and validates the new request against it. An instance whose
-model has no time table (registered before they existed) is not validated: it admits.
+model has no time table (registered before they existed) is not validated: it admits, and so
+does a request on a device with no other request (refusing it would protect nobody).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def admit(views: Mapping[str, InstanceView], target_id: str, prompt_tokens: int,
     if target.table is None:
         return Verdict(True)
     shadows = [_shadow(i, v, v.table) for i, v in views.items() if v.table is not None]
+    if not any(s.requests for s in shadows):
+        # Nobody else on the device: refusing protects no one, and the request runs as fast
+        # as it can anyway (a table measured on a busy machine must not refuse everything).
+        return Verdict(True)
     expected = target.page.read(target.max_tokens).avg_out or DEFAULT_OUTPUT_TOKENS
     new = ShadowRequest(RequestClock(now, max(prompt_tokens, 1), target.slo), max(1, round(expected)))
     return validate(shadows, target_id, new, now)

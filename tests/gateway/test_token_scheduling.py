@@ -74,20 +74,38 @@ def test_two_functions_share_the_cpu_token_by_token(server: ServeProcess) -> Non
 def test_a_request_the_device_cannot_serve_within_its_slo_gets_a_clear_503(
     server: ServeProcess, zoo: Zoo
 ) -> None:
-    """Shadow validation (LLM-Mesh §5.3): a function whose SLO the device cannot meet has its
-    requests refused before any byte of an answer, with Retry-After, once their first token
-    could no longer come in time; the device's other function keeps serving."""
+    """Shadow validation (LLM-Mesh §5.3): while another function streams on the device, a
+    function whose SLO the device cannot meet has its requests refused before any byte of an
+    answer, with Retry-After, once their first token could no longer come in time; the other
+    function keeps serving."""
     spec = function_spec(zoo.model("tiny-a-bf16"), keep_alive="60s")
     spec["metadata"] = {"name": "impatient"}
     # No decode iteration takes 0.1 ms: one token per TPOT is out of reach (shadow case 3).
-    spec["spec"]["slo"] = {"ttft": "2s", "tpot": "0.1ms"}  # type: ignore[index]
+    spec["spec"]["slo"] = {"ttft": "300ms", "tpot": "0.1ms"}  # type: ignore[index]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(base_url=server.url, timeout=120) as http:
         assert http.post("/v1/functions", json=spec).status_code == 201
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        alone = http.post("/v1/chat/completions", json={**body, "model": "impatient"})
+        assert alone.status_code == 200, alone.text  # nobody else on the device: admitted anyway
+        streaming = threading.Event()
+
+        def neighbour() -> None:  # a long stream of another function keeps the device busy
+            long = {**body, "model": "tiny-e-bf16", "max_tokens": 256, "ignore_eos": True, "stream": True}
+            with (
+                httpx.Client(base_url=server.url, timeout=120) as own,
+                own.stream("POST", "/v1/chat/completions", json=long) as r,
+            ):
+                for _ in r.iter_lines():
+                    streaming.set()
+
+        busy = threading.Thread(target=neighbour)
+        busy.start()
+        assert streaming.wait(60)
         refused = http.post("/v1/chat/completions", json={**body, "model": "impatient"})
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "slo_unattainable"
         assert refused.headers["retry-after"] == "1"
+        busy.join(120)
         served = http.post("/v1/chat/completions", json={**body, "model": "tiny-a-bf16"})
         assert served.status_code == 200, served.text
         deadline = time.monotonic() + 10

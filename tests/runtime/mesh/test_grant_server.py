@@ -178,6 +178,8 @@ async def _test_admission_reads_every_instance_page_and_refuses_what_would_break
     c = pair(grants, "c", flat_table(0.01, 0.01))  # 10 ms per prompt token
     assert await c.admit(1000) == 1  # case 1: 11 s of prefill against a 2 s TTFT SLO
     assert grants.num_refused == 2
+    b.page.write(0.0, [])  # b's request is done: on an empty device refusing protects nobody
+    assert await c.admit(1000) == 0
     for g in (a, b, c):
         g.close()
     grants.close()
