@@ -84,9 +84,16 @@ class WorkerState:
         from runtime.mesh.gate import Gate
         from runtime.mesh.slo import slo_of
         from runtime.mesh.state_page import StatePage
+        from runtime.mesh.time_table import TimeTable
 
         page = StatePage(memoryview(self.mesh_page)) if self.mesh_page is not None else None
-        self.assignment.binding.engine.schedule_with(Gate(self.mesh_sock, page), slo_of(message.spec))
+        binding = self.assignment.binding
+        raw = binding.template.profile.get("time_table")
+        try:
+            table = TimeTable.from_json(raw) if raw is not None else None
+        except ValueError:
+            table = None  # no calibration; the agent reads the same profile and says so
+        binding.engine.schedule_with(Gate(self.mesh_sock, page), slo_of(message.spec), table)
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
         """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""

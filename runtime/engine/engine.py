@@ -24,11 +24,13 @@ from runtime.engine.scheduler import (
 from runtime.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenConstraint
 from runtime.mesh.gate import Gate
 from runtime.mesh.slo import RequestClock, Slo
-from runtime.mesh.state_page import Entry
+from runtime.mesh.state_page import MAX_SLOWDOWN, MIN_SLOWDOWN, Entry
+from runtime.mesh.time_table import TimeTable
 from runtime.mesh.watermark import Watermark
 from runtime.models.llama import LlamaModel
 
 log = logging.getLogger("ember.engine")
+SLOWDOWN_WEIGHT = 0.2  # of the newest step in the slowdown's moving average
 ADMIT_RETRY_S = 0.05  # a refused request asks the shadow validation again after this, then
 ADMIT_RETRY_MAX_S = 0.4  # twice as long each time up to this (the agent validates every ask)
 
@@ -105,6 +107,9 @@ class Engine:
         # Token-level scheduling of the device (runtime.mesh): run_forever steps only with a grant.
         self.gate: Gate | None = None
         self.slo = Slo()
+        self.table: TimeTable | None = None
+        self.slowdown = 1.0  # measured step time / the table's (EWMA): see schedule_with
+        self._step_shape: tuple[bool, int, int, float] | None = None  # (prefill, tokens, batch, avg len)
         self.avg_out = 0.0  # output tokens of finished requests: a running mean (LLM-Mesh's O-bar)
         # KV blocks held beyond the running requests' (scale_kv; bytes_per_token 1: in tokens).
         self.watermark = Watermark(
@@ -112,10 +117,23 @@ class Engine:
         )
         self._num_finished = 0
 
-    def schedule_with(self, gate: Gate, slo: Slo) -> None:
+    def schedule_with(self, gate: Gate, slo: Slo, table: TimeTable | None = None) -> None:
         """Step only when ``gate`` grants the device, asking with the deadline (LLM-Mesh Eq. 1,
-        under ``slo``) of the most urgent unfinished request (see :meth:`urgency`)."""
-        self.gate, self.slo = gate, slo
+        under ``slo``) of the most urgent unfinished request (see :meth:`urgency`). ``table``:
+        the model's time table; each step's measured time against it is the slowdown the state
+        page reports, so the agent's admissions follow what the device delivers now."""
+        self.gate, self.slo, self.table = gate, slo, table
+
+    def _calibrate(self, seconds: float) -> None:
+        """Fold one step's measured ``seconds`` into :attr:`slowdown` (EWMA, bounded)."""
+        shape, self._step_shape = self._step_shape, None
+        if self.table is None or shape is None or seconds <= 0:
+            return
+        prefill, tokens, batch, avg_len = shape
+        expected = self.table.prefill(tokens) if prefill else self.table.decode(batch, avg_len)
+        if expected > 0:
+            ratio = min(max(seconds / expected, MIN_SLOWDOWN), MAX_SLOWDOWN)
+            self.slowdown += SLOWDOWN_WEIGHT * (ratio - self.slowdown)
 
     async def admit(self, prompt_tokens: int, n: int = 1) -> float:
         """Wait until the token scheduler's shadow validation admits ``n`` sequences of
@@ -150,7 +168,8 @@ class Engine:
         if page is None:
             return
         seqs = [*self.scheduler.waiting, *self.scheduler.running]
-        page.write(self.avg_out, (Entry(s.arrival, len(s.prompt_ids), len(s.output_ids)) for s in seqs))
+        entries = (Entry(s.arrival, len(s.prompt_ids), len(s.output_ids)) for s in seqs)
+        page.write(self.avg_out, entries, self.slowdown)
 
     def urgency(self) -> float:
         """The deadline of the most urgent unfinished request (monotonic seconds; inf: none)."""
@@ -196,7 +215,7 @@ class Engine:
         # Blocks the previous step filled go to the pool now, after its tokens went out.
         self._publish()
         try:
-            seqs, _ = self.scheduler.schedule()
+            seqs, prefill = self.scheduler.schedule()
         except KVCacheExhausted as exc:
             # Fail only the request that cannot fit; everyone else keeps going.
             seq = self.scheduler.waiting.popleft()
@@ -206,6 +225,9 @@ class Engine:
             return [failed]
         if not seqs:
             return []
+        if self.table is not None:  # what this step is, for _calibrate
+            tokens = sum(s.num_uncached for s in seqs) if prefill else len(seqs)
+            self._step_shape = (prefill, tokens, len(seqs), sum(len(s) for s in seqs) / len(seqs))
         try:
             sampled = self.runner.run(seqs)
         except Exception as exc:  # a bug or a broken input: fail this batch, keep the engine alive
@@ -360,7 +382,9 @@ class Engine:
                         log.error("token scheduling ends, the instance runs on its own: %s", exc)
                         self.gate = gate = None
                 try:
+                    t0 = time.perf_counter()
                     self.step()
+                    self._calibrate(time.perf_counter() - t0)
                 except Exception as exc:
                     log.exception("engine step failed; failing every request")
                     for seq in [*self.scheduler.running, *self.scheduler.waiting]:

@@ -60,7 +60,7 @@ def _shadow(instance_id: str, view: InstanceView, table: TimeTable) -> ShadowIns
         )
         for e in state.entries
     ]
-    return ShadowInstance(instance_id, table, requests)
+    return ShadowInstance(instance_id, table, requests, state.slowdown)
 
 
 def admit(views: Mapping[str, InstanceView], target_id: str, prompt_tokens: int, now: float) -> Verdict:

@@ -49,6 +49,7 @@ class ShadowInstance:
     instance_id: str
     table: TimeTable
     requests: list[ShadowRequest] = field(default_factory=list)
+    slowdown: float = 1.0  # measured iteration time / the table's, lately (the engine's calibration)
 
     def urgency(self) -> float:
         """The deadline of its most urgent request (inf when idle)."""
@@ -58,7 +59,8 @@ class ShadowInstance:
         decoding = [r for r in self.requests if r.clock.prefilled]
         if not decoding:
             return 0.0
-        return self.table.decode(len(decoding), sum(r.length for r in decoding) / len(decoding))
+        avg = sum(r.length for r in decoding) / len(decoding)
+        return self.table.decode(len(decoding), avg) * self.slowdown
 
 
 class Case(Enum):
@@ -89,7 +91,7 @@ def _iteration(inst: ShadowInstance) -> tuple[float, list[ShadowRequest]]:
     waiting = [r for r in inst.requests if not r.clock.prefilled]
     if waiting:
         first = waiting[0]
-        return inst.table.prefill(first.clock.input_len) * OVERESTIMATE, [first]
+        return inst.table.prefill(first.clock.input_len) * inst.slowdown * OVERESTIMATE, [first]
     decoding = list(inst.requests)
     return inst.decode_s() * OVERESTIMATE, decoding
 
@@ -115,7 +117,7 @@ def validate(
 
     tpots = [r.clock.slo.tpot_s for i in sim for r in i.requests]
     round_s = sum(
-        i.table.decode(len(i.requests), sum(r.length + 1 for r in i.requests) / len(i.requests))
+        i.table.decode(len(i.requests), sum(r.length + 1 for r in i.requests) / len(i.requests)) * i.slowdown
         for i in sim
         if i.requests
     )

@@ -8,9 +8,10 @@ request asks to be admitted. A sequence counter makes the copy consistent (odd w
 writer is in the middle: the reader retries). The agent trusts nothing it reads: counts and
 values are bounded, and a page that does not read back consistently counts as empty.
 
-Layout (little-endian): header ``<IIIId`` (version, sequence, count, reserved, average output
-tokens), then ``count`` entries ``<dII`` (arrival in monotonic seconds, prompt tokens, tokens
-out), at most :data:`MAX_ENTRIES`.
+Layout (little-endian): header ``<IIIIdd`` (version, sequence, count, reserved, average output
+tokens, slowdown: the engine's measured iteration time over its time table's, lately), then
+``count`` entries ``<dII`` (arrival in monotonic seconds, prompt tokens, tokens out), at most
+:data:`MAX_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import struct
 from collections.abc import Iterable
 from typing import NamedTuple
 
-VERSION = 1
+VERSION = 2
 MAX_ENTRIES = 128
-_HEADER = struct.Struct("<IIIId")
+_HEADER = struct.Struct("<IIIIdd")
 _ENTRY = struct.Struct("<dII")
 PAGE_BYTES = 4096
 assert _HEADER.size + MAX_ENTRIES * _ENTRY.size <= PAGE_BYTES
 _READ_TRIES = 64
+MIN_SLOWDOWN, MAX_SLOWDOWN = 0.25, 20.0  # what a page may claim (a worker runs tenant code)
 
 
 class Entry(NamedTuple):
@@ -38,6 +40,7 @@ class Entry(NamedTuple):
 class PageState(NamedTuple):
     avg_out: float  # the instance's average output length so far (tokens; 0: none finished)
     entries: list[Entry]
+    slowdown: float = 1.0  # its iterations' measured time over its time table's (bounded)
 
 
 class StatePage:
@@ -49,22 +52,22 @@ class StatePage:
         self._buf = buf
         self._seq = 0
 
-    def write(self, avg_out: float, entries: Iterable[Entry]) -> None:
+    def write(self, avg_out: float, entries: Iterable[Entry], slowdown: float = 1.0) -> None:
         """Publish the instance's unfinished requests (the first :data:`MAX_ENTRIES`)."""
         rows = list(entries)[:MAX_ENTRIES]
         self._seq += 1  # odd: being written
-        _HEADER.pack_into(self._buf, 0, VERSION, self._seq, 0, 0, 0.0)
+        _HEADER.pack_into(self._buf, 0, VERSION, self._seq, 0, 0, 0.0, 1.0)
         for i, e in enumerate(rows):
             offset = _HEADER.size + i * _ENTRY.size
             _ENTRY.pack_into(self._buf, offset, e.arrival_s, e.input_len, e.tokens_out)
         self._seq += 1
-        _HEADER.pack_into(self._buf, 0, VERSION, self._seq, len(rows), 0, avg_out)
+        _HEADER.pack_into(self._buf, 0, VERSION, self._seq, len(rows), 0, avg_out, slowdown)
 
     def read(self, max_tokens: int) -> PageState:
         """The published table (empty when unreadable); values past ``max_tokens`` (the
         model's context) are clamped, entries with a non-finite arrival dropped."""
         for _ in range(_READ_TRIES):
-            version, seq, count, _, avg_out = _HEADER.unpack_from(self._buf, 0)
+            version, seq, count, _, avg_out, slowdown = _HEADER.unpack_from(self._buf, 0)
             if version != VERSION or seq % 2:
                 continue
             raw = bytes(self._buf[_HEADER.size : _HEADER.size + min(count, MAX_ENTRIES) * _ENTRY.size])
@@ -76,5 +79,6 @@ class StatePage:
                 if math.isfinite(a)
             ]
             avg = min(avg_out, float(max_tokens)) if math.isfinite(avg_out) and avg_out > 0 else 0.0
-            return PageState(avg, entries)
+            slow = min(max(slowdown, MIN_SLOWDOWN), MAX_SLOWDOWN) if math.isfinite(slowdown) else 1.0
+            return PageState(avg, entries, slow)
         return PageState(0.0, [])

@@ -563,3 +563,32 @@ def test_watermark_kv_scaling_grows_early_and_shrinks_lazily(
         block_bytes = kv_block_bytes(LlamaConfig.from_hf(tiny.config), BLOCK, torch.float32)
         assert client.stats()["kv_bytes"] == len(engine.blocks.free) * block_bytes
         engine.close()
+
+
+def test_steps_measured_against_the_time_table_give_the_slowdown(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """A table that promises 1 us per iteration: every measured step is slower, the slowdown
+    the state page reports rises to its bound (the agent then validates at that speed)."""
+    import asyncio
+    import time
+
+    from runtime.mesh.state_page import MAX_SLOWDOWN
+    from runtime.mesh.time_table import TimeTable
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        us = 1e-6
+        engine.table = TimeTable((1, 1024), (us, us), (1, 64), (1, 4096), ((us, us), (us, us)))
+
+        async def run() -> None:
+            driver = asyncio.create_task(engine.run_forever())
+            for p in prompts(3):
+                await anext(engine.stream(p, GREEDY))
+            driver.cancel()
+
+        t0 = time.perf_counter()
+        asyncio.run(run())
+        assert time.perf_counter() - t0 > 0
+        assert engine.slowdown > 5 and engine.slowdown <= MAX_SLOWDOWN
+        engine.close()

@@ -87,3 +87,14 @@ def test_an_admitted_request_keeps_every_slo_in_a_replay_of_the_simulation(
         assert verdict.first_token_s <= slo.ttft_for(prompt)
     else:
         assert verdict.case is not None
+
+
+def test_a_slower_device_than_its_table_is_validated_at_its_measured_speed() -> None:
+    """The engine's measured slowdown scales the table: what fits at profiled speed may not."""
+    slo = Slo(2.0, 0.25)
+    busy = ShadowInstance("b", flat(0.001, 0.01), [running(0.0, 10, 1, slo)])
+    fast = ShadowInstance("a", flat(0.001, 0.01))
+    new = running(0.0, 1000, 0, slo)  # 1.1 s of prefill at profiled speed
+    assert validate([fast, busy], "a", new, now=0.0).admit
+    slow = ShadowInstance("a", flat(0.001, 0.01), slowdown=3.0)  # 3.3 s now: past its 2 s TTFT
+    assert validate([slow, busy], "a", new, now=0.0).case is Case.OWN_TTFT
