@@ -21,6 +21,10 @@ from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
 log = logging.getLogger("ember.agent")
 CASES = tuple(Case)  # a verdict's number is its case's position here, plus one
+# Messages taken from one worker per wake-up: a worker refilling its socket as fast as the
+# agent drains it (tenant code runs there) must not hold the agent's event loop; the rest
+# are read on the next turn of the loop (the reader is level-triggered).
+MAX_BATCH = 64
 
 
 def _case_number(verdict: Verdict) -> float:
@@ -74,7 +78,7 @@ class DeviceGrants:
         if sock is None:
             return
         try:
-            while True:
+            for _ in range(MAX_BATCH):
                 try:
                     raw = sock.recv(SIZE)
                 except BlockingIOError:
@@ -82,6 +86,8 @@ class DeviceGrants:
                 if not raw:
                     raise ConnectionError("closed")
                 self._handle(instance_id, decode(raw))
+                if self._socks.get(instance_id) is not sock:  # cut off meanwhile (a failed send)
+                    return
         except (OSError, WireError, ValueError) as exc:
             log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
             self.detach(instance_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -12,11 +13,11 @@ import pytest
 from runtime.mesh.admission import InstanceView
 from runtime.mesh.config import TokenSchedulingConfig
 from runtime.mesh.gate import Gate
-from runtime.mesh.grant_server import DeviceGrants
+from runtime.mesh.grant_server import MAX_BATCH, DeviceGrants
 from runtime.mesh.slo import Slo
 from runtime.mesh.state_page import PAGE_BYTES, Entry, StatePage
 from runtime.mesh.time_table import TimeTable
-from runtime.mesh.wire import Message, Op, WireError, decode, encode
+from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
 
 def view(table: TimeTable | None = None, slo: Slo | None = None) -> tuple[InstanceView, StatePage]:
@@ -185,3 +186,72 @@ async def _test_admission_reads_every_instance_page_and_refuses_what_would_break
 
 def test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo() -> None:
     asyncio.run(_test_admission_reads_every_instance_page_and_refuses_what_would_break_an_slo())
+
+
+def _sends_that_fit(sock: socket.socket) -> int:
+    """How many messages ``sock`` sends before its buffer is full (the peer reads none)."""
+    probe, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    probe.setblocking(False)
+    count = 0
+    with probe, peer:
+        try:
+            while True:
+                probe.send(encode(Message(Op.VERDICT)))
+                count += 1
+        except BlockingIOError:
+            return count
+
+
+async def _test_a_worker_cut_off_mid_batch_is_not_scheduled_again() -> None:
+    # The worker asks for admissions and never reads a verdict: the agent's send fails and it
+    # is detached. What it queued after that must neither bring it back (a grant for an
+    # instance that is gone holds the device) nor raise out of the agent's callback.
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    agent_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # the minimum: fills fast
+    for _ in range(_sends_that_fit(agent_end) + 2):
+        worker_end.send(encode(Message(Op.ADMIT, 10.0)))
+        worker_end.send(encode(Message(Op.WANT, 1.0)))
+    grants.attach("rogue", agent_end, view()[0])
+    await asyncio.sleep(0.05)
+    assert grants.instance_ids == []
+    assert grants.scheduler.running is None and not grants.scheduler.waiting
+    assert errors == []
+    worker_end.close()
+    grants.close()
+
+
+def test_a_worker_cut_off_mid_batch_is_not_scheduled_again() -> None:
+    asyncio.run(_test_a_worker_cut_off_mid_batch_is_not_scheduled_again())
+
+
+async def _test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> None:
+    # Tenant code runs in the worker: it may refill its socket as fast as the agent drains it.
+    # One wake-up of the agent handles a bounded batch, so its other callbacks run between.
+    grants = DeviceGrants("cpu")
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    worker_end.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            worker_end.send(encode(Message(Op.WANT, 1.0)))
+            sent += 1
+    assert sent > MAX_BATCH
+    grants.attach("flood", agent_end, view()[0])
+    grants._readable("flood")  # one wake-up of the agent's loop
+    left = agent_end.recv(SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    assert decode(left) == Message(Op.WANT, 1.0)  # the rest waits for the next turn
+    assert grants.instance_ids == ["flood"]
+    worker_end.close()
+    grants.close()
+
+
+def test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> None:
+    asyncio.run(_test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop())
