@@ -255,3 +255,34 @@ async def _test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> N
 
 def test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> None:
     asyncio.run(_test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop())
+
+
+async def _test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working() -> None:
+    # A request cancelled while it waits for admission (its client gone), an engine loop
+    # cancelled while it waits for the device: the answer still comes. The gate must neither
+    # raise out of its reader nor keep a device nobody will run on.
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    a, b = pair(grants, "a"), pair(grants, "b")
+    asking = asyncio.create_task(a.admit(10))
+    await asyncio.sleep(0)  # the ADMIT is sent
+    asking.cancel()
+    await asyncio.sleep(0.02)  # its verdict arrives
+    assert await asyncio.wait_for(a.admit(10), 1.0) == 0
+    await b.acquire(1.0)  # b holds the device (a lease)
+    waiting = asyncio.create_task(a.acquire(2.0))
+    await asyncio.sleep(0.02)
+    waiting.cancel()
+    b.release()  # b yields: the device is granted to a, whose wait was cancelled
+    await asyncio.sleep(0.02)
+    assert grants.scheduler.running is None  # a gave it back at once
+    await asyncio.wait_for(b.acquire(1.0), 1.0)
+    await asyncio.wait_for(a.admit(10), 1.0)
+    assert errors == []
+    a.close(), b.close(), grants.close()
+
+
+def test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working() -> None:
+    asyncio.run(_test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working())
