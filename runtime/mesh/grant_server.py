@@ -38,7 +38,7 @@ class DeviceGrants:
     def __init__(self, device: str, config: TokenSchedulingConfig | None = None) -> None:
         self.device = device
         self.config = config or TokenSchedulingConfig(enabled=True)
-        self.scheduler = TokenScheduler()
+        self.scheduler = TokenScheduler(max_passed_over=self.config.max_passed_over)
         self._socks: dict[str, socket.socket] = {}
         self._views: dict[str, InstanceView] = {}
         self.num_admitted = 0

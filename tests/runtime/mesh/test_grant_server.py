@@ -138,6 +138,11 @@ def test_config_from_env_fails_loudly() -> None:
         TokenSchedulingConfig.from_env({"EMBER_TOKEN_SCHEDULING": "yes"})
     with pytest.raises(ValueError, match="seconds"):
         TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_ITERATION_S": "soon"})
+    assert TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "3"}).max_passed_over == 3
+    with pytest.raises(ValueError, match="count"):
+        TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "many"})
+    with pytest.raises(ValueError, match="max_passed_over"):
+        TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "0"})
 
 
 def test_iterations_of_co_located_instances_never_overlap_and_go_by_deadline() -> None:
@@ -286,3 +291,39 @@ async def _test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_workin
 
 def test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working() -> None:
     asyncio.run(_test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working())
+
+
+async def _test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour() -> None:
+    # Tenant code can speak for its worker: it gives every grant back at once and asks again
+    # with a deadline nobody beats. Its neighbour still gets the device after a bounded number
+    # of grants passed it over.
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    grants.attach("greedy", agent_end, view()[0])
+    AGENT_ENDS.append(agent_end)
+    loop = asyncio.get_running_loop()
+    worker_end.setblocking(False)
+    first = encode(Message(Op.WANT, -1e300))
+    again = encode(Message(Op.DONE))
+
+    def greedy() -> None:
+        with contextlib.suppress(BlockingIOError):
+            while decode(worker_end.recv(SIZE)).op is Op.GRANT:
+                worker_end.send(again)
+                worker_end.send(first)
+
+    loop.add_reader(worker_end.fileno(), greedy)
+    worker_end.send(first)
+    honest = pair(grants, "honest")
+    try:
+        await asyncio.wait_for(honest.acquire(1.0), 2.0)
+        honest.release()
+        assert grants.scheduler.num_grants > 2
+    finally:
+        loop.remove_reader(worker_end.fileno())
+        honest.close(), grants.close()
+        worker_end.close()
+
+
+def test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour() -> None:
+    asyncio.run(_test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour())
