@@ -178,7 +178,7 @@ class ModelBinding:
         base model alone). :class:`RequestError` for an adapter the function does not have."""
         if model is None or ":" not in model:
             return None
-        name = model.rpartition(":")[2]
+        name = model.partition(":")[2]  # the gateway routes on what comes before the first ":"
         key = self.adapters.get(name)
         if key is None:
             known = ", ".join(sorted(self.adapters)) or "none"

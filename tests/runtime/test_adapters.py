@@ -153,6 +153,10 @@ def test_two_functions_on_one_base_hold_it_once_plus_each_adapter(
         assert first.adapter("f:fr") == adapters[0].adapter_id and first.adapter("f") is None
         with pytest.raises(RequestError, match="no adapter 'pirate'"):
             first.adapter("f:pirate")
+        # The gateway routes "f:x:fr" to function f (up to the first ":"): the rest, "x:fr",
+        # names the adapter, not whatever follows the last ":".
+        with pytest.raises(RequestError, match="no adapter 'x:fr'"):
+            first.adapter("f:x:fr")
         outs = [
             first.engine.generate([[5, 9, 33, 71]], GREEDY, [first.adapter("f:fr")])[0].output_ids,
             second.engine.generate([[5, 9, 33, 71]], GREEDY, [second.adapter("g:pirate")])[0].output_ids,
