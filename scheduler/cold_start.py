@@ -100,15 +100,20 @@ class ColdStarter:
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
         reports = await on_loop(self.state.device_reports)
+        limit = self.instances_per_device
+        recorded = await asyncio.to_thread(self._instances_by_device) if limit else {}
         devices = []
         for device_id in self.launcher.devices():
             r = reports.get(device_id)
+            if limit:
+                # The report lags behind starts (its own and other gateways'): the instance
+                # records count those already placed, starting or draining ones included.
+                count = max(r.num_instances if r is not None else 0, recorded.get(device_id, 0))
+                if count - (vacating or {}).get(device_id, 0) >= limit:
+                    continue  # as many instances as it may run: none starts there now
             if r is None:  # not reported yet: assume an empty device of unknown size
                 devices.append(DeviceState(device_id, free_bytes=model.weight_bytes, evictable_bytes=0))
                 continue
-            limit = self.instances_per_device
-            if limit and r.num_instances - (vacating or {}).get(device_id, 0) >= limit:
-                continue  # as many instances as it may run: none starts there now
             models = (unpinned or {}).get(device_id)
             freed = 0 if models is None else r.kv_bytes + sum(r.resident_bytes.get(m, 0) for m in models)
             devices.append(
@@ -122,6 +127,15 @@ class ColdStarter:
             )
         placement = place([ModelDemand(model.model_id, model.weight_bytes)], devices)[0]
         return placement.device_id, placement.expected_start_s
+
+    def _instances_by_device(self) -> dict[str, int]:
+        """Device -> instance records on it (any function, any state: a starting one will run
+        there, a draining one still does)."""
+        counts: dict[str, int] = {}
+        for name in self.state.functions_with_instances():
+            for instance in self.state.instances(name):
+                counts[instance.device] = counts.get(instance.device, 0) + 1
+        return counts
 
     async def could_ever_fit(self, record: FunctionRecord) -> bool:
         """Whether some device's pool is large enough for the model at all, every byte of it

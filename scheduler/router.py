@@ -137,6 +137,9 @@ class Router:
         self.leases = Leases(self.config.lease_s, self.config.max_leases, self.release, self._spawn)
         self._last_report = 0.0
         self._reclaiming = asyncio.Lock()
+        # With a limit of instances per device, placing and recording a start are one step:
+        # two cold starts placed at once would each see the device below its limit.
+        self._placing = asyncio.Lock()
 
     # ----- routing --------------------------------------------------------------------------
 
@@ -252,6 +255,13 @@ class Router:
             return
         if self.starter.room_pause_s(name) > 0:
             return  # its pool refused it for room again and again: wait (see ColdStarter)
+        if self.config.instances_per_device:
+            async with self._placing:
+                await self._place_and_start(name, record, deadline, want)
+        else:
+            await self._place_and_start(name, record, deadline, want)
+
+    async def _place_and_start(self, name: str, record: FunctionRecord, deadline: float, want: int) -> None:
         device, expected = await self.starter.place(record)
         if device is None:
             # Before stopping anything: no instance of any function frees room for it.
@@ -260,6 +270,7 @@ class Router:
             device, expected = await self._reclaim(name, record)
         if device is None:
             return  # other functions' instances are busy: wait for one to go idle (or the deadline)
+        left = deadline - time.time()
         if should_reject(expected + self.config.handover_s, left):
             raise Rejected(
                 f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
