@@ -25,6 +25,8 @@ CASES = tuple(Case)  # a verdict's number is its case's position here, plus one
 # agent drains it (tenant code runs there) must not hold the agent's event loop; the rest
 # are read on the next turn of the loop (the reader is level-triggered).
 MAX_BATCH = 64
+# ... and at most this long: an ADMIT runs a shadow validation (milliseconds with full pages).
+MAX_BATCH_S = 0.005
 
 
 def _case_number(verdict: Verdict) -> float:
@@ -77,8 +79,11 @@ class DeviceGrants:
         sock = self._socks.get(instance_id)
         if sock is None:
             return
+        until = time.monotonic() + MAX_BATCH_S
         try:
             for _ in range(MAX_BATCH):
+                if time.monotonic() > until:
+                    break
                 try:
                     raw = sock.recv(SIZE)
                 except BlockingIOError:

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime.mesh.admission import InstanceView
+from runtime.mesh.admission import InstanceView, admit
 from runtime.mesh.config import TokenSchedulingConfig
 from runtime.mesh.gate import Gate
 from runtime.mesh.grant_server import MAX_BATCH, DeviceGrants
 from runtime.mesh.slo import Slo
-from runtime.mesh.state_page import PAGE_BYTES, Entry, StatePage
+from runtime.mesh.state_page import MAX_ENTRIES, PAGE_BYTES, Entry, StatePage
 from runtime.mesh.time_table import TimeTable
 from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
@@ -327,3 +327,36 @@ async def _test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_
 
 def test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour() -> None:
     asyncio.run(_test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour())
+
+
+async def _test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly() -> None:
+    # An ADMIT runs a shadow validation: with a full page of requests waiting for their
+    # prefill, milliseconds each (more with neighbours). A wake-up of the agent's loop
+    # stops after a short time budget, not after MAX_BATCH of them.
+    grants = DeviceGrants("cpu")
+    table = TimeTable((1, 1024), (1e-6, 1e-3), (1, 64), (1, 4096), ((1e-6, 1e-6), (1e-6, 1e-6)))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    agent_view, page = view(table, Slo(ttft_s=86399, tpot_s=1e-3))
+    now = time.monotonic()
+    page.write(4096.0, [Entry(now - 86398, 1, 0)] * MAX_ENTRIES)  # 128 prefills first, each cycle
+    one = time.perf_counter()
+    admit({"flood": agent_view}, "flood", 10, now)
+    one = time.perf_counter() - one
+    worker_end.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while sent < MAX_BATCH:
+            worker_end.send(encode(Message(Op.ADMIT, 10.0)))
+            sent += 1
+    grants.attach("flood", agent_end, agent_view)
+    held = time.perf_counter()
+    grants._readable("flood")  # one wake-up of the agent's loop
+    held = time.perf_counter() - held
+    assert held < 16 * one, f"one wake-up held the loop {held:.2f} s ({one * 1e3:.1f} ms an ADMIT)"
+    worker_end.close()
+    grants.close()
+
+
+def test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly() -> None:
+    asyncio.run(_test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly())
