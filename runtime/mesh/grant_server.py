@@ -9,6 +9,7 @@ malformed message removes its instance from the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -59,12 +60,18 @@ class DeviceGrants:
         self._views[instance_id] = view
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, instance_id)
 
-    def detach(self, instance_id: str) -> None:
-        """The instance ended (its socket stays open: the worker handle owns it)."""
+    def detach(self, instance_id: str, cut_off: bool = False) -> None:
+        """The instance ended (its socket stays open: the worker handle owns it). ``cut_off``:
+        it still runs, but its token scheduling ends (a malformed message, a send that
+        failed): the socket is shut down so that its gate learns it and the instance runs on
+        its own, instead of waiting for a grant nobody will send."""
         sock = self._socks.pop(instance_id, None)
         self._views.pop(instance_id, None)
         if sock is not None:
             asyncio.get_running_loop().remove_reader(sock.fileno())
+            if cut_off:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         if self.scheduler.running == instance_id and self._overdue is not None:
             self._overdue.cancel()
             self._overdue = None
@@ -95,7 +102,7 @@ class DeviceGrants:
                     return
         except (OSError, WireError, ValueError) as exc:
             log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
-            self.detach(instance_id)
+            self.detach(instance_id, cut_off=True)
             return
         self._dispatch()
 
@@ -156,4 +163,4 @@ class DeviceGrants:
             sock.send(encode(message))
         except OSError as exc:
             log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
-            self.detach(instance_id)
+            self.detach(instance_id, cut_off=True)

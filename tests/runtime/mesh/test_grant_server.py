@@ -114,9 +114,14 @@ async def _test_a_worker_speaking_out_of_turn_is_cut_off() -> None:
     worker_end.send(encode(Message(Op.GRANT, 1.0)))  # only the agent grants
     await asyncio.sleep(0.01)
     assert grants.instance_ids == []
-    worker_end.send(b"\x01")  # and malformed bytes on another: the same
-    worker_end.close()
-    agent_end.close()
+    assert worker_end.recv(SIZE) == b""  # shut down: its gate learns it is on its own
+    other_agent_end, other_worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    grants.attach("garbled", other_agent_end, view()[0])
+    other_worker_end.send(b"\x01")  # and malformed bytes on another: the same
+    await asyncio.sleep(0.01)
+    assert grants.instance_ids == [] and other_worker_end.recv(SIZE) == b""
+    for sock in (worker_end, agent_end, other_worker_end, other_agent_end):
+        sock.close()
 
 
 def test_wire_rejects_malformed_messages() -> None:
@@ -228,6 +233,13 @@ async def _test_a_worker_cut_off_mid_batch_is_not_scheduled_again() -> None:
     assert grants.instance_ids == []
     assert grants.scheduler.running is None and not grants.scheduler.waiting
     assert errors == []
+    # The worker learns it: after the verdicts sent, its end reads closed (its gate then runs
+    # the instance on its own instead of waiting for a grant forever).
+    worker_end.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while worker_end.recv(SIZE):
+            pass
+    assert worker_end.recv(SIZE) == b""
     worker_end.close()
     grants.close()
 
