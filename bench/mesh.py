@@ -11,13 +11,15 @@ the same open-loop load at increasing request rates:
   device's instance is idle, which is then stopped (its weights stay resident: Ember's
   resident cold start, so this baseline is already far faster than a reload).
 
-Load: Poisson arrivals at ``rate`` requests/s for ``duration`` seconds, each for a function
-drawn by Zipf popularity (s = 1) over the functions, a prompt of 32-96 words and 32 output
-tokens (``ignore_eos``). A request meets its SLO when its TTFT is within max(2 s, prompt
-tokens / 512 s) and its time per output token after the first within 250 ms (the spec's
-defaults, LLM-Mesh's); a refused or failed request misses it. *Capacity* is the highest rate
-at which at least ``--attainment`` (0.9) of the requests met their SLO: the last rate of the
-sweep that did, refined by linear interpolation towards the first that did not.
+Before the sweep each function gets one request (co-located, every instance is then up; the
+functions keep a 60 s keep-alive). Load: Poisson arrivals at ``rate`` requests/s for
+``duration`` seconds, each for a function drawn by Zipf popularity (s = 1) over the
+functions, a prompt of 32-96 words and 32 output tokens (``ignore_eos``). A request meets its
+SLO when its TTFT is within max(2 s, prompt tokens / 512 s) and its time per output token
+after the first within 250 ms (the spec's defaults, LLM-Mesh's); a refused or failed request
+misses it. *Capacity* is the highest rate at which at least ``--attainment`` (0.9) of the
+requests met their SLO: the last rate of the sweep that did, refined by linear interpolation
+towards the first that did not.
 
 Acceptance (issue 16): capacity co-located / exclusive >= 1.4. Prints one JSON line.
 """
@@ -45,7 +47,7 @@ CONFIGS: dict[str, dict[str, str]] = {
     "exclusive": {"EMBER_INSTANCES_PER_DEVICE": "1"},
 }
 PREWARM = 4
-KEEP_ALIVE = "10s"
+KEEP_ALIVE = "60s"  # instances stay between requests: capacity, not cold starts, is measured
 PROMPT_WORDS = (32, 96)
 OUTPUT_TOKENS = 32
 SETTLE_S = 3.0  # quiet time between two rates (requests of the last one finish)
@@ -70,6 +72,15 @@ def poisson_trace(rate: float, duration_s: float, num_functions: int, seed: int)
         seed=seed,
     )
     return Trace(config, tuple(arrivals))
+
+
+def one_each(num_functions: int) -> Trace:
+    """A request per function, 3 s apart (each finishes before the next)."""
+    arrivals = tuple(Arrival(3.0 * i, i, PROMPT_WORDS[0], OUTPUT_TOKENS) for i in range(num_functions))
+    config = TraceConfig(
+        num_functions=num_functions, num_requests=num_functions, duration_s=3.0 * num_functions, zipf_s=0.0
+    )
+    return Trace(config, arrivals)
 
 
 def capacity(points: list[dict[str, Any]], target: float) -> float:
@@ -98,6 +109,10 @@ def run_config(
     with Replay(zoo, work / name, env, KEEP_ALIVE) as replay:
         replay.deploy(models)
         replay.wait_ready(PREWARM)
+        # One request per function first, one at a time: co-located, every instance is up
+        # before the sweep; one per device, the sweep starts with the last one's.
+        replay.run(one_each(len(FUNCTIONS)), list(FUNCTIONS))
+        time.sleep(SETTLE_S)
         for rate in rates:
             trace = poisson_trace(rate, duration_s, len(FUNCTIONS), seed)
             result = replay.run(trace, list(FUNCTIONS))

@@ -70,9 +70,10 @@ log = logging.getLogger("ember.gateway")
 # (source, dtype) -> the model's reference as the agent returns it ({id, dir, weight_bytes},
 # decoded by ModelRef.decode); raises ModelSourceError
 Registrar = Callable[[str, str], Awaitable[dict[str, Any]]]
-# ((name, source) of each LoRA adapter of spec.model.adapters, the base's dtype) -> name ->
-# registered adapter directory; raises ModelSourceError
-AdapterRegistrar = Callable[[list[tuple[str, str]], str], Awaitable[dict[str, str]]]
+# ((name, source) of each LoRA adapter of spec.model.adapters, the base's dtype, the registered
+# base's directory) -> name -> registered adapter directory; raises ModelSourceError (also for
+# an adapter that does not fit the base)
+AdapterRegistrar = Callable[[list[tuple[str, str]], str, str], Awaitable[dict[str, str]]]
 
 
 class Deployments(Protocol):

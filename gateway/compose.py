@@ -186,13 +186,15 @@ def _adapter_registrar(home: Path) -> AdapterRegistrar:
     naming the adapter. Adapters are stored in the base's activation dtype."""
     from runtime.adapters import register_adapter
     from runtime.errors import EmberRuntimeError
+    from runtime.registry import load
 
-    async def register(adapters: list[tuple[str, str]], dtype: str) -> dict[str, str]:
+    async def register(adapters: list[tuple[str, str]], dtype: str, base_dir: str) -> dict[str, str]:
         lora_dtype = "float32" if dtype == "float32" else "bfloat16"
+        base = (await asyncio.to_thread(load, Path(base_dir))).config  # adapters must fit it
         out = {}
         for i, (name, source) in enumerate(adapters):
             try:
-                adapter = await asyncio.to_thread(register_adapter, source, lora_dtype, home)
+                adapter = await asyncio.to_thread(register_adapter, source, lora_dtype, home, None, base)
             except (EmberRuntimeError, ValueError, OSError) as exc:
                 raise ModelSourceError(f"spec.model.adapters.{i}.source: {exc}") from None
             out[name] = str(adapter.directory)
@@ -576,7 +578,7 @@ def _openwhisk_assignment(
     model = register(body["model"]["source"], body["model"]["dtype"], home=home)
     lora_dtype = "float32" if body["model"]["dtype"] == "float32" else "bfloat16"
     adapters = {
-        a["name"]: str(register_adapter(a["source"], lora_dtype, home=home).directory)
+        a["name"]: str(register_adapter(a["source"], lora_dtype, home, None, model.config).directory)
         for a in body["model"]["adapters"]
     }
     deadline = time.time() + INIT_TIMEOUT_S

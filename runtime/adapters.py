@@ -59,17 +59,36 @@ class RegisteredAdapter:
         """Bind the adapter's tensors (views) to ``base`` (a :class:`runtime.models.llama.LlamaModel`);
         :class:`LoraError` when the shapes do not fit the base."""
         cfg = base.config
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        shapes = {
-            "q_proj": (q_out, cfg.hidden_size),
-            "k_proj": (kv_out, cfg.hidden_size),
-            "v_proj": (kv_out, cfg.hidden_size),
-            "o_proj": (cfg.hidden_size, q_out),
-            "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
-            "up_proj": (cfg.intermediate_size, cfg.hidden_size),
-            "down_proj": (cfg.hidden_size, cfg.intermediate_size),
-        }
-        return LoraAdapter.bind(self.adapter_id, self.config, tensors, cfg.num_layers, shapes)
+        return LoraAdapter.bind(self.adapter_id, self.config, tensors, cfg.num_layers, _shapes(cfg))
+
+    def check_fits(self, base_config: dict[str, Any]) -> None:
+        """:class:`LoraError` unless the adapter binds to a base of Hugging Face ``base_config``
+        (its registration record's config): checked at deploy, from the manifest's shapes, so
+        a function whose every instance would fail to start is refused at once."""
+        import torch
+
+        from runtime.models.llama import LlamaConfig
+
+        try:
+            cfg = LlamaConfig.from_hf(base_config)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LoraError(f"the base model's config cannot take an adapter: {exc}") from None
+        meta = {t.name: torch.empty(t.shape, device="meta") for t in self.manifest().tensors}
+        LoraAdapter.bind(self.adapter_id, self.config, meta, cfg.num_layers, _shapes(cfg))
+
+
+def _shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """Each target module's base weight (out, in) in a :class:`runtime.models.llama.LlamaConfig`."""
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "q_proj": (q_out, cfg.hidden_size),
+        "k_proj": (kv_out, cfg.hidden_size),
+        "v_proj": (kv_out, cfg.hidden_size),
+        "o_proj": (cfg.hidden_size, q_out),
+        "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "up_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+    }
 
 
 def adapters_dir(home: Path | None = None) -> Path:
@@ -77,10 +96,26 @@ def adapters_dir(home: Path | None = None) -> Path:
 
 
 def register_adapter(
-    source: str, dtype: str = "bfloat16", home: Path | None = None, roots: SourceRoots | None = None
+    source: str,
+    dtype: str = "bfloat16",
+    home: Path | None = None,
+    roots: SourceRoots | None = None,
+    base_config: dict[str, Any] | None = None,
 ) -> RegisteredAdapter:
     """Register the PEFT LoRA directory ``source`` with tensors in ``dtype`` (the base model's
-    activation dtype: ``bfloat16`` for bf16, int8 and q4 bases, ``float32`` for fp32 ones)."""
+    activation dtype: ``bfloat16`` for bf16, int8 and q4 bases, ``float32`` for fp32 ones).
+    With ``base_config`` (the base's Hugging Face config), :class:`ModelFormatError` unless the
+    adapter fits that base (:meth:`RegisteredAdapter.check_fits`)."""
+    adapter = _register(source, dtype, home, roots)
+    if base_config is not None:
+        try:
+            adapter.check_fits(base_config)
+        except LoraError as exc:
+            raise ModelFormatError(str(exc)) from None
+    return adapter
+
+
+def _register(source: str, dtype: str, home: Path | None, roots: SourceRoots | None) -> RegisteredAdapter:
     if dtype not in DTYPES:
         raise RegistrationError(f"adapter dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     src = resolve_adapter(source, roots)

@@ -99,6 +99,14 @@ def pool_lost() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def weights_lost() -> None:
+    """Called when the progressive load of this instance's weights failed after it started:
+    the pool dropped the tensors, every forward would fail. Like :func:`pool_lost`: drain and
+    exit; the agent starts the function again, on a new acquire."""
+    log.error("the weights failed to load: draining and exiting")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def _template(state: Workspace, model_dir: str) -> ModelTemplate:
     template = state.templates.get(model_dir)
     if template is None:
@@ -174,7 +182,15 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
         client = _session(state, message.pool_socket, message.pool_ticket)
         try:
             adapters = load_adapters(tuple(message.adapters.items()))
-            return bind(template, client, message.max_tokens, message.kv_quota_bytes, adapters), client
+            binding = bind(
+                template,
+                client,
+                message.max_tokens,
+                message.kv_quota_bytes,
+                adapters,
+                on_load_failed=weights_lost,
+            )
+            return binding, client
         except BaseException:
             client.close()
             raise

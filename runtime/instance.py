@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -178,7 +178,7 @@ class ModelBinding:
         base model alone). :class:`RequestError` for an adapter the function does not have."""
         if model is None or ":" not in model:
             return None
-        name = model.rpartition(":")[2]
+        name = model.partition(":")[2]  # the gateway routes on what comes before the first ":"
         key = self.adapters.get(name)
         if key is None:
             known = ", ".join(sorted(self.adapters)) or "none"
@@ -365,6 +365,7 @@ def bind(
     kv_quota_bytes: int | None = None,
     adapters: tuple[AdapterTemplate, ...] = (),
     progressive: bool = True,
+    on_load_failed: Callable[[], None] | None = None,
 ) -> ModelBinding:
     """Build a serving engine from the pool: acquire (resident tensors are not copied), views, KV.
 
@@ -374,7 +375,9 @@ def bind(
     ``adapters``: the function's LoRA adapters (:meth:`ModelBinding.attach_adapters`).
     ``progressive`` (TIDAL §5.2): when bytes must be loaded, the acquire returns before they are
     in and the model waits per layer, so the first prefill overlaps the load of later layers;
-    False: load everything, then compute (the baseline of ``bench.overlap``).
+    False: load everything, then compute (the baseline of ``bench.overlap``). ``on_load_failed``:
+    called once when a progressive load fails after the acquire returned (the first forward
+    that needs the missing bytes finds out; the instance cannot serve).
     """
     t0 = time.perf_counter()
     readiness = None
@@ -389,7 +392,9 @@ def bind(
     else:
         placements = client.acquire_placements(template.manifest)
     timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
-    binding = bind_at(template, client, placements, max_tokens, kv_quota_bytes, timings, readiness)
+    binding = bind_at(
+        template, client, placements, max_tokens, kv_quota_bytes, timings, readiness, on_load_failed
+    )
     try:
         binding.attach_adapters(client, adapters)
     except BaseException:
@@ -406,6 +411,7 @@ def bind_at(
     kv_quota_bytes: int | None = None,
     timings: dict[str, float] | None = None,
     readiness: Any = None,
+    on_load_failed: Callable[[], None] | None = None,
 ) -> ModelBinding:
     """:func:`bind` for weights ``client`` acquired at ``placements`` (arena offsets by tensor
     name): the views and the engine. ``timings`` gains ``build_ms``. ``readiness``: a
@@ -426,7 +432,8 @@ def bind_at(
     if readiness is not None:
         from runtime.models.layer_gate import LayerGate
 
-        gate = LayerGate(readiness, [e.name for e in template.manifest.tensors], config.num_layers)
+        names = [e.name for e in template.manifest.tensors]
+        gate = LayerGate(readiness, names, config.num_layers, on_load_failed)
     engine = build_engine(
         LlamaModel(config, tensors, gate=gate),
         template.tokenizer,

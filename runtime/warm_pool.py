@@ -36,7 +36,7 @@ from typing import Any
 
 from runtime.agent_config import AgentConfig
 from runtime.errors import LaunchError
-from runtime.mesh.state_page import PAGE_BYTES
+from runtime.mesh.state_page import PAGE_BYTES, new_page_fd
 from runtime.messages import PreloadMessage
 from runtime.process import boost
 from runtime.sandbox import temp_dir
@@ -184,8 +184,7 @@ class WarmPool:
         # of an agent that schedules tokens: a socketpair, so nobody else can speak on it.
         mesh, mesh_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # ... and the page where it publishes its requests for the agent's admissions.
-        page_fd = os.memfd_create("ember-mesh-page", os.MFD_CLOEXEC)
-        os.ftruncate(page_fd, PAGE_BYTES)
+        page_fd = new_page_fd()
         page = mmap.mmap(page_fd, PAGE_BYTES, prot=mmap.PROT_READ)
         args += ["--mesh-fd", str(mesh_child.fileno()), "--mesh-page-fd", str(page_fd)]
         try:

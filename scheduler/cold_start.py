@@ -125,12 +125,13 @@ class ColdStarter:
         return placement.device_id, placement.expected_start_s
 
     def live_per_device(self) -> dict[str, int]:
-        """Starting and ready instances of every function, per device (from Redis: the device
-        reports are up to a second old and do not know the instances being started)."""
+        """Starting, ready and draining instances of every function, per device (from Redis:
+        the device reports are up to a second old and do not know the instances being
+        started; a draining one still runs there)."""
         counts: dict[str, int] = {}
         for name in self.state.functions_with_instances():
             for inst in self.state.instances(name):
-                if inst.state in ("starting", "ready"):
+                if inst.state in ("starting", "ready", "draining"):
                     counts[inst.device] = counts.get(inst.device, 0) + 1
         return counts
 

@@ -73,7 +73,8 @@ def function_routes(
                 if serving.register_adapters is None:
                     raise ModelSourceError("spec.model.adapters: LoRA adapters are not served in this mode")
                 pairs = [(a.name, a.source) for a in spec.spec.model.adapters]
-                adapters = await serving.register_adapters(pairs, spec.spec.model.dtype)
+                base_dir = str(registered["dir"])  # each adapter must fit it: checked now, not per start
+                adapters = await serving.register_adapters(pairs, spec.spec.model.dtype, base_dir)
                 registered = {**registered, "adapters": adapters}
             model = ModelRef.decode(registered)
         document = spec.to_document()

@@ -74,6 +74,7 @@ from gpu_pool.wire.protocol import (
 
 log = logging.getLogger("ember.pool")
 Reply = tuple[dict[str, Any], list[int]]  # reply fields, descriptors sent after it (SCM_RIGHTS)
+_MAX_REPLANS = 3  # an acquire whose shared tensors' loads by other sessions failed plans again
 
 
 def make_arena(config: PoolConfig) -> BaseArena:
@@ -260,21 +261,26 @@ class PoolDaemon:
         """Plan and pin under the lock, then wait for other sessions' loads of shared tensors;
         returns the pending acquire and the futures of the loads it owns."""
         loop = asyncio.get_running_loop()
-        async with self._lock:
-            pending = self.store.begin_acquire(session_id, manifest, access)
-            waits = [self._loading[k] for k in pending.waits_on]
-            mine = {k: loop.create_future() for k in pending.missing}
-            self._loading.update(mine)
-        try:
-            for other in waits:
-                if not await asyncio.shield(other):
-                    raise LoadError(
-                        f"loading {manifest.model_id}: a concurrent load of a shared tensor failed"
-                    )
-        except BaseException:
+        for _ in range(_MAX_REPLANS + 1):
+            async with self._lock:
+                pending = self.store.begin_acquire(session_id, manifest, access)
+                waits = [self._loading[k] for k in pending.waits_on]
+                mine = {k: loop.create_future() for k in pending.missing}
+                self._loading.update(mine)
+            try:
+                for other in waits:
+                    if not await asyncio.shield(other):
+                        break
+                else:
+                    return pending, mine
+            except BaseException:
+                await self._settle(pending, mine, False)
+                raise
+            # The other session's load failed or was cancelled (its client went away in the
+            # middle of a progressive load): what it was loading is not resident, so planning
+            # again makes this acquire load it itself. Bounded: a load that keeps failing fails.
             await self._settle(pending, mine, False)
-            raise
-        return pending, mine
+        raise LoadError(f"loading {manifest.model_id}: a concurrent load of a shared tensor failed")
 
     async def _settle(self, pending: PendingAcquire, mine: dict[str, asyncio.Future[bool]], ok: bool) -> None:
         """End an acquire: abort it unless ``ok``, and tell waiting sessions how its loads went."""

@@ -116,6 +116,9 @@ class Engine:
             bytes_per_token=1, w=0.2, min_tokens=self.config.block_size * self.config.refill_blocks
         )
         self._num_finished = 0
+        # Sequences admitted by the token scheduler and not added yet (the other choices of an
+        # n > 1 request still asking): published with the rest, so each is validated with them.
+        self._admitted: list[Entry] = []
 
     def schedule_with(self, gate: Gate, slo: Slo, table: TimeTable | None = None) -> None:
         """Step only when ``gate`` grants the device, asking with the deadline (LLM-Mesh Eq. 1,
@@ -144,6 +147,7 @@ class Engine:
         if gate is None:
             return arrival
         due = arrival + self.slo.ttft_for(prompt_tokens)
+        admitted: list[Entry] = []
         try:
             for _ in range(n):
                 pause = ADMIT_RETRY_S
@@ -156,9 +160,17 @@ class Engine:
                         )
                     await asyncio.sleep(pause)  # requests finish meanwhile: ask again, less often
                     pause = min(2 * pause, ADMIT_RETRY_MAX_S)
+                admitted.append(Entry(arrival, prompt_tokens, 0))
+                self._admitted.append(admitted[-1])
+                self.publish_state()  # the next choice is validated with this one
         except (OSError, ValueError) as exc:  # GateClosed, WireError: the agent is gone
             log.error("token scheduling ends, the instance runs on its own: %s", exc)
             self.gate = None
+        finally:  # added by the caller now (or refused): no longer counted twice
+            for entry in admitted:
+                self._admitted.remove(entry)
+            if admitted:
+                self.publish_state()
         return arrival
 
     def publish_state(self) -> None:
@@ -168,8 +180,8 @@ class Engine:
         if page is None:
             return
         seqs = [*self.scheduler.waiting, *self.scheduler.running]
-        entries = (Entry(s.arrival, len(s.prompt_ids), len(s.output_ids)) for s in seqs)
-        page.write(self.avg_out, entries, self.slowdown)
+        entries = [Entry(s.arrival, len(s.prompt_ids), len(s.output_ids)) for s in seqs]
+        page.write(self.avg_out, [*entries, *self._admitted], self.slowdown)
 
     def urgency(self) -> float:
         """The deadline of the most urgent unfinished request (monotonic seconds; inf: none)."""

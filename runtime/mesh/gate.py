@@ -48,10 +48,16 @@ class Gate:
         if self._held:  # a lease the agent asked back: give it back, then queue like anyone
             self._send(Message(Op.DONE))
             self._held = False
-        self._grant = self._loop.create_future()
+        grant = self._grant = self._loop.create_future()
         self._send(Message(Op.WANT, deadline))
         self.num_waits += 1
-        leased = await self._grant
+        try:
+            leased = await grant
+        except asyncio.CancelledError:  # a GRANT still to come is given back when it comes
+            if grant.done() and not grant.cancelled():  # granted as it was cancelled: give it back
+                self._grant = None
+                self._send(Message(Op.DONE))
+            raise
         self._grant = None
         self._held, self._lease, self._yield = True, leased, False
 
@@ -100,21 +106,21 @@ class Gate:
 
     def _dispatch(self, message: Message) -> None:
         if message.op is Op.GRANT:
-            if self._grant is None:
+            if self._grant is None or (self._grant.done() and not self._grant.cancelled()):
                 raise GateClosed("a grant nobody asked for")
-            if self._grant.done():  # its waiter was cancelled (the engine closes): hand it back
+            if self._grant.cancelled():  # whoever asked stopped waiting: the device goes back
                 self._grant = None
                 self._send(Message(Op.DONE))
-                return
-            self._grant.set_result(message.value == 1.0)
+            else:
+                self._grant.set_result(message.value == 1.0)
         elif message.op is Op.YIELD:
             if self._held:  # else: a stale YIELD of a lease given back already
                 self._yield = True
         elif message.op is Op.VERDICT:
             if not self._verdicts:
                 raise GateClosed("a verdict nobody asked for")
-            verdict = self._verdicts.popleft()
-            if not verdict.done():  # else its request went away while it waited (cancelled)
+            verdict = self._verdicts.popleft()  # its asker may have been cancelled meanwhile
+            if not verdict.done():
                 verdict.set_result(int(message.value))
         else:
             raise GateClosed(f"the agent may not send {message.op.name}")

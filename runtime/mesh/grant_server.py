@@ -9,6 +9,7 @@ malformed message removes its instance from the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -21,6 +22,12 @@ from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
 log = logging.getLogger("ember.agent")
 CASES = tuple(Case)  # a verdict's number is its case's position here, plus one
+# Messages taken from one worker per wake-up: a worker refilling its socket as fast as the
+# agent drains it (tenant code runs there) must not hold the agent's event loop; the rest
+# are read on the next turn of the loop (the reader is level-triggered).
+MAX_BATCH = 64
+# ... and at most this long: an ADMIT runs a shadow validation (milliseconds with full pages).
+MAX_BATCH_S = 0.005
 
 
 def _case_number(verdict: Verdict) -> float:
@@ -34,7 +41,7 @@ class DeviceGrants:
     def __init__(self, device: str, config: TokenSchedulingConfig | None = None) -> None:
         self.device = device
         self.config = config or TokenSchedulingConfig(enabled=True)
-        self.scheduler = TokenScheduler()
+        self.scheduler = TokenScheduler(max_passed_over=self.config.max_passed_over)
         self._socks: dict[str, socket.socket] = {}
         self._views: dict[str, InstanceView] = {}
         self.num_admitted = 0
@@ -53,12 +60,18 @@ class DeviceGrants:
         self._views[instance_id] = view
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, instance_id)
 
-    def detach(self, instance_id: str) -> None:
-        """The instance ended (its socket stays open: the worker handle owns it)."""
+    def detach(self, instance_id: str, cut_off: bool = False) -> None:
+        """The instance ended (its socket stays open: the worker handle owns it). ``cut_off``:
+        it still runs, but its token scheduling ends (a malformed message, a send that
+        failed): the socket is shut down so that its gate learns it and the instance runs on
+        its own, instead of waiting for a grant nobody will send."""
         sock = self._socks.pop(instance_id, None)
         self._views.pop(instance_id, None)
         if sock is not None:
             asyncio.get_running_loop().remove_reader(sock.fileno())
+            if cut_off:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         if self.scheduler.running == instance_id and self._overdue is not None:
             self._overdue.cancel()
             self._overdue = None
@@ -73,8 +86,11 @@ class DeviceGrants:
         sock = self._socks.get(instance_id)
         if sock is None:
             return
+        until = time.monotonic() + MAX_BATCH_S
         try:
-            while True:
+            for _ in range(MAX_BATCH):
+                if time.monotonic() > until:
+                    break
                 try:
                     raw = sock.recv(SIZE)
                 except BlockingIOError:
@@ -82,9 +98,11 @@ class DeviceGrants:
                 if not raw:
                     raise ConnectionError("closed")
                 self._handle(instance_id, decode(raw))
+                if self._socks.get(instance_id) is not sock:  # cut off meanwhile (a failed send)
+                    return
         except (OSError, WireError, ValueError) as exc:
             log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
-            self.detach(instance_id)
+            self.detach(instance_id, cut_off=True)
             return
         self._dispatch()
 
@@ -145,4 +163,4 @@ class DeviceGrants:
             sock.send(encode(message))
         except OSError as exc:
             log.warning("token scheduling of %s on %s ends: %s", instance_id, self.device, exc)
-            self.detach(instance_id)
+            self.detach(instance_id, cut_off=True)

@@ -16,7 +16,9 @@ tokens, slowdown: the engine's measured iteration time over its time table's, la
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import struct
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -29,6 +31,20 @@ PAGE_BYTES = 4096
 assert _HEADER.size + MAX_ENTRIES * _ENTRY.size <= PAGE_BYTES
 _READ_TRIES = 64
 MIN_SLOWDOWN, MAX_SLOWDOWN = 0.25, 20.0  # what a page may claim (a worker runs tenant code)
+
+
+def new_page_fd() -> int:
+    """A memfd of :data:`PAGE_BYTES` for one worker's page, sealed at that size: the worker
+    (tenant code runs there) can reach its copy of the fd, and a page truncated under the
+    agent's mapping would kill the agent with SIGBUS on its next read."""
+    fd = os.memfd_create("ember-mesh-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, PAGE_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Entry(NamedTuple):

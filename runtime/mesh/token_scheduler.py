@@ -4,7 +4,10 @@ Each co-located instance asks before every iteration (:meth:`TokenScheduler.want
 deadline of its most urgent request: Eq. 1's ``ST + TTFT_SLO + TPOT_SLO * O``) and reports
 when the iteration is done. The device runs one iteration at a time, on all of its cores, and
 grants the waiting instance with the earliest deadline (the least headroom: the same order at
-any ``now``). Ties go to the instance that asked first.
+any ``now``). Ties go to the instance that asked first. Deadlines are the workers' word, and
+tenant code runs in the workers: an instance passed over by ``max_passed_over`` grants in a row
+goes next whatever the deadlines, so a worker that asks again at once with a deadline nobody
+beats gets most of the device but cannot starve its neighbours.
 
 A *lease* spares a lone instance the round trip: an instance granted while nobody else waits
 may run further iterations without asking, until another instance wants the device; then
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 class _Want:
     deadline: float
     order: int
+    passed_over: int = 0  # grants to others since it asked
 
 
 @dataclass(slots=True)
@@ -32,7 +36,12 @@ class TokenScheduler:
     leased: bool = False  # the running instance may go on without asking
     waiting: dict[str, _Want] = field(default_factory=dict)
     num_grants: int = 0
+    max_passed_over: int = 8
     _order: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if self.max_passed_over < 1:
+            raise ValueError(f"max_passed_over must be >= 1, got {self.max_passed_over}")
 
     def want(self, instance_id: str, deadline: float) -> bool:
         """``instance_id`` asks for its next iteration; returns whether the lease holder (if
@@ -40,8 +49,10 @@ class TokenScheduler:
         if instance_id == self.running:
             raise ValueError(f"{instance_id} asked while it holds the device")
         previous = self.waiting.get(instance_id)
-        order = previous.order if previous is not None else next(self._order)
-        self.waiting[instance_id] = _Want(deadline, order)
+        if previous is not None:
+            previous.deadline = deadline
+        else:
+            self.waiting[instance_id] = _Want(deadline, next(self._order))
         if self.leased and self.running is not None:
             self.leased = False  # the holder finishes its iteration, then reports done
             return True
@@ -52,8 +63,15 @@ class TokenScheduler:
         The grant is a lease when nobody else waits."""
         if self.running is not None or not self.waiting:
             return None
-        instance_id = min(self.waiting, key=lambda i: (self.waiting[i].deadline, self.waiting[i].order))
-        del self.waiting[instance_id]
+        w = self.waiting
+        starved = [i for i in w if w[i].passed_over >= self.max_passed_over]
+        if starved:
+            instance_id = min(starved, key=lambda i: w[i].order)
+        else:
+            instance_id = min(w, key=lambda i: (w[i].deadline, w[i].order))
+        del w[instance_id]
+        for other in w.values():
+            other.passed_over += 1
         self.running, self.leased = instance_id, not self.waiting
         self.num_grants += 1
         return instance_id

@@ -11,7 +11,7 @@ is set and the model drops the gate: a warm forward pays nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 LAYER_PREFIX = "model.layers."
@@ -38,10 +38,20 @@ def stage_of(name: str, num_layers: int) -> int:
 class LayerGate:
     """Waits, stage by stage, for the tensors a forward stage reads."""
 
-    def __init__(self, readiness: TensorReadiness, names: Sequence[str], num_layers: int) -> None:
-        """``names``: the manifest's tensor names, in the order ``readiness`` indexes them."""
+    def __init__(
+        self,
+        readiness: TensorReadiness,
+        names: Sequence[str],
+        num_layers: int,
+        on_failed: Callable[[], None] | None = None,
+    ) -> None:
+        """``names``: the manifest's tensor names, in the order ``readiness`` indexes them;
+        ``on_failed``: called once when the load fails (the weights will never be in: the
+        instance must be replaced, not go on failing every request)."""
         self.readiness = readiness
         self.num_layers = num_layers
+        self.on_failed = on_failed
+        self.failed = False
         # The last manifest index each stage needs (-1: nothing): waiting for it waits for the
         # stage's every tensor, since groups come in manifest order.
         self.needs = [-1] * (num_layers + 2)
@@ -61,8 +71,17 @@ class LayerGate:
             import time
 
             t0 = time.perf_counter()
-            self.readiness.wait(index, timeout)
-            self.waited_s += time.perf_counter() - t0
+            try:
+                self.readiness.wait(index, timeout)
+            except TimeoutError:
+                raise
+            except Exception:  # LoadError: the pool dropped the tensors, they will not come
+                if not self.failed and self.on_failed is not None:
+                    self.on_failed()
+                self.failed = True
+                raise
+            finally:
+                self.waited_s += time.perf_counter() - t0
 
 
 def stage_groups(names: Sequence[str], num_layers: int, max_groups: int) -> list[int] | None:

@@ -75,3 +75,8 @@ def test_two_functions_on_one_base_answer_with_their_own_adapters(
             "/v1/functions", json=spec("lora-bad", gguf, [{"name": "x", "source": str(root / "none")}])
         )
         assert missing.status_code == 400 and "spec.model.adapters.0.source" in missing.text
+        other_base = write_adapter(root / "other", {**CONFIG, "hidden_size": 2 * HIDDEN}, seed=3)
+        unfit = http.post(
+            "/v1/functions", json=spec("lora-unfit", gguf, [{"name": "x", "source": str(other_base)}])
+        )  # every instance would fail to start: refused at deploy
+        assert unfit.status_code == 400 and "this base needs" in unfit.text

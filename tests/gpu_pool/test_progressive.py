@@ -4,6 +4,8 @@ readiness per group in access order, failure and disconnect mid-load."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.errors import LoadError
+from gpu_pool.manifest import Manifest
 from gpu_pool.wire.messages import Acquire
 from tests.conftest import PoolProcess, random_tensors, wait_until, write_entry
 
@@ -127,5 +130,40 @@ def test_release_mid_load_cancels_or_completes_cleanly(tmp_path: Path, store_roo
             views = c.acquire(manifest)
             for name, t in tensors.items():
                 assert torch.equal(views[name], t), name
+    finally:
+        pool.stop()
+
+
+def test_an_acquire_waiting_on_a_load_whose_client_went_away_loads_itself(
+    tmp_path: Path, store_root: Path
+) -> None:
+    # Two instances start on the same evicted model: the first's progressive load is
+    # cancelled when its client goes away mid-load. The second, which waited for that load,
+    # plans again and loads the bytes itself instead of failing. (Rounds: the second must
+    # plan while the first still loads, which one round may miss.)
+    models = [write_entry(store_root, f"big{i}", random_tensors(10 + i, [4 << 20] * 24)) for i in range(4)]
+    pool = PoolProcess(tmp_path / "pool.sock", "256MiB", store=(store_root,))
+    try:
+        for manifest in models:
+            first = PoolClient(pool.socket_path)
+            _, readiness = first.acquire_progressive(manifest)
+            assert readiness is not None
+            result: dict[str, object] = {}
+
+            def second(manifest: Manifest = manifest, result: dict[str, object] = result) -> None:
+                with PoolClient(pool.socket_path) as c:
+                    try:
+                        c.acquire(manifest)
+                        result["ok"] = True
+                    except Exception as exc:
+                        result["error"] = exc
+
+            thread = threading.Thread(target=second)
+            thread.start()
+            time.sleep(0.02)  # its acquire is planned: it waits for the first's load
+            first.close()  # mid-load: the first's load is cancelled
+            readiness.close()
+            thread.join(60)
+            assert result == {"ok": True}
     finally:
         pool.stop()

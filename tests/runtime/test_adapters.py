@@ -119,6 +119,21 @@ def test_an_adapter_for_another_base_does_not_bind(tiny: RegisteredModel, tmp_pa
         pool.stop()
 
 
+def test_an_adapter_for_another_base_is_refused_at_registration_for_that_base(
+    tiny: RegisteredModel, tmp_path: Path
+) -> None:
+    # Deploys register with the base's config: a function whose every instance would fail
+    # to start (the bind above) is a 400 at deploy, not a 503 on every request.
+    wider = {**tiny.config, "hidden_size": 2 * int(tiny.config["hidden_size"])}
+    source = str(write_adapter(tmp_path / "other", wider, seed=4))
+    with pytest.raises(RegistrationError, match="this base needs"):
+        register_adapter(source, "float32", home=tmp_path, base_config=tiny.config)
+    # The same adapter fits the base it was made for (registered once: the check reruns).
+    assert register_adapter(source, "float32", home=tmp_path, base_config=wider).config.rank == 8
+    fits = str(write_adapter(tmp_path / "fits", tiny.config, seed=5, rank=4, targets=tuple(MODULES)))
+    register_adapter(fits, "float32", home=tmp_path, base_config=tiny.config)
+
+
 def test_two_functions_on_one_base_hold_it_once_plus_each_adapter(
     tiny: RegisteredModel, adapters: list[RegisteredAdapter], pool: PoolProcess
 ) -> None:
@@ -138,6 +153,10 @@ def test_two_functions_on_one_base_hold_it_once_plus_each_adapter(
         assert first.adapter("f:fr") == adapters[0].adapter_id and first.adapter("f") is None
         with pytest.raises(RequestError, match="no adapter 'pirate'"):
             first.adapter("f:pirate")
+        # The gateway routes "f:x:fr" to function f (up to the first ":"): the rest, "x:fr",
+        # names the adapter, not whatever follows the last ":".
+        with pytest.raises(RequestError, match="no adapter 'x:fr'"):
+            first.adapter("f:x:fr")
         outs = [
             first.engine.generate([[5, 9, 33, 71]], GREEDY, [first.adapter("f:fr")])[0].output_ids,
             second.engine.generate([[5, 9, 33, 71]], GREEDY, [second.adapter("g:pirate")])[0].output_ids,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +16,14 @@ from runtime.engine.build import PoolKV, PrivateKV, build_engine
 from runtime.engine.engine import Engine, EngineConfig, StepOutput
 from runtime.engine.kv_storage import kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
+from runtime.engine.scheduler import SchedulerConfig, SloUnattainable
 from runtime.engine.sequence import FinishReason
+from runtime.mesh.admission import InstanceView
+from runtime.mesh.gate import Gate
+from runtime.mesh.grant_server import DeviceGrants
+from runtime.mesh.slo import Slo
+from runtime.mesh.state_page import PAGE_BYTES, StatePage
+from runtime.mesh.time_table import TimeTable
 from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.registry import RegisteredModel, register
 from tests.conftest import PoolProcess
@@ -591,4 +599,32 @@ def test_steps_measured_against_the_time_table_give_the_slowdown(
         asyncio.run(run())
         assert time.perf_counter() - t0 > 0
         assert engine.slowdown > 5 and engine.slowdown <= MAX_SLOWDOWN
+
+
+def test_the_choices_of_an_n_request_are_validated_together(tiny: RegisteredModel, pool: PoolProcess) -> None:
+    """Each choice of an n > 1 request is admitted with its siblings already admitted on the
+    page: n prefills of 0.11 s each (with the margin) fit a 0.5 s TTFT SLO only up to n = 4."""
+    slo = Slo(ttft_s=0.5)
+    table = TimeTable((1, 1024), (0.1, 0.1), (1, 64), (1, 4096), ((0.001, 0.001), (0.001, 0.001)))
+
+    async def admit(engine: Engine, n: int) -> float:
+        grants = DeviceGrants("cpu")
+        agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        buf = memoryview(bytearray(PAGE_BYTES))
+        grants.attach("a", agent_end, InstanceView(StatePage(buf), table, slo, 4096))
+        engine.schedule_with(Gate(worker_end, StatePage(buf)), slo)
+        try:
+            return await engine.admit(8, n)
+        finally:
+            assert engine.gate is not None
+            engine.gate.close()
+            grants.close()
+            agent_end.close()
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        asyncio.run(admit(engine, 4))
+        with pytest.raises(SloUnattainable):
+            asyncio.run(admit(engine, 5))
+        assert engine.seqs == {}
         engine.close()

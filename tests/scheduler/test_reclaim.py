@@ -224,3 +224,51 @@ def test_a_pool_refusing_for_room_is_tried_with_growing_pauses(state: ClusterSta
 
     asyncio.run(min_scale())
     assert 3 <= launcher.launches <= 6, launcher.launches
+
+
+class CountingLauncher(BookkeepingLauncher):
+    """Reports the instances it runs (as the agent does) and remembers the most at once. Its
+    launches take a while, and its report is refreshed only when the router asks (after a
+    stop), as a real device report lags behind the starts."""
+
+    most = 0
+
+    async def launch(
+        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+    ) -> Started:
+        await asyncio.sleep(0.05)
+        started = await super().launch(instance_id, spec, model, device_id, deadline)
+        self.most = max(self.most, len(self.running))
+        return started
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        record = (await super().report())[DEVICE]
+        record["instances"] = len(self.running)
+        self.state.report_device(DEVICE, record)
+        return {DEVICE: record}
+
+
+def test_concurrent_cold_starts_keep_the_instances_per_device_limit(state: ClusterState) -> None:
+    # Two functions asked at once on a device that may run one instance: the device report
+    # says 0 instances to both placements (it lags behind the starts), yet only one starts;
+    # the other waits for it to go idle and be stopped.
+    deploy(state, "f", 10)
+    deploy(state, "g", 10)
+    launcher = CountingLauncher(state, capacity=100)
+
+    async def scenario() -> None:
+        router = Router(state, launcher, RouterConfig(instances_per_device=1))
+        await launcher.report()
+        first = asyncio.create_task(router.route("f", state.function("f"), time.time() + 10))
+        second = asyncio.create_task(router.route("g", state.function("g"), time.time() + 10))
+        done, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+        winner = done.pop()
+        name = "f" if winner is first else "g"
+        await asyncio.sleep(0.3)
+        assert launcher.most == 1, f"{launcher.most} instances on a device that may run one"
+        await router.done(name, winner.result(), 60.0, 0.01, reusable=False)  # idle: it may be stopped
+        route = await asyncio.wait_for(second if winner is first else first, 10)
+        assert route.cold and len(launcher.running) == 1 and launcher.most == 1
+        await router.close()
+
+    asyncio.run(scenario())

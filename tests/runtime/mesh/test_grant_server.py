@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from runtime.mesh.admission import InstanceView
+from runtime.mesh.admission import InstanceView, admit
 from runtime.mesh.config import TokenSchedulingConfig
 from runtime.mesh.gate import Gate
-from runtime.mesh.grant_server import DeviceGrants
+from runtime.mesh.grant_server import MAX_BATCH, DeviceGrants
 from runtime.mesh.slo import Slo
-from runtime.mesh.state_page import PAGE_BYTES, Entry, StatePage
+from runtime.mesh.state_page import MAX_ENTRIES, PAGE_BYTES, Entry, StatePage
 from runtime.mesh.time_table import TimeTable
-from runtime.mesh.wire import Message, Op, WireError, decode, encode
+from runtime.mesh.wire import SIZE, Message, Op, WireError, decode, encode
 
 
 def view(table: TimeTable | None = None, slo: Slo | None = None) -> tuple[InstanceView, StatePage]:
@@ -113,9 +114,14 @@ async def _test_a_worker_speaking_out_of_turn_is_cut_off() -> None:
     worker_end.send(encode(Message(Op.GRANT, 1.0)))  # only the agent grants
     await asyncio.sleep(0.01)
     assert grants.instance_ids == []
-    worker_end.send(b"\x01")  # and malformed bytes on another: the same
-    worker_end.close()
-    agent_end.close()
+    assert worker_end.recv(SIZE) == b""  # shut down: its gate learns it is on its own
+    other_agent_end, other_worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    grants.attach("garbled", other_agent_end, view()[0])
+    other_worker_end.send(b"\x01")  # and malformed bytes on another: the same
+    await asyncio.sleep(0.01)
+    assert grants.instance_ids == [] and other_worker_end.recv(SIZE) == b""
+    for sock in (worker_end, agent_end, other_worker_end, other_agent_end):
+        sock.close()
 
 
 def test_wire_rejects_malformed_messages() -> None:
@@ -137,6 +143,11 @@ def test_config_from_env_fails_loudly() -> None:
         TokenSchedulingConfig.from_env({"EMBER_TOKEN_SCHEDULING": "yes"})
     with pytest.raises(ValueError, match="seconds"):
         TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_ITERATION_S": "soon"})
+    assert TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "3"}).max_passed_over == 3
+    with pytest.raises(ValueError, match="count"):
+        TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "many"})
+    with pytest.raises(ValueError, match="max_passed_over"):
+        TokenSchedulingConfig.from_env({"EMBER_TOKEN_MAX_PASSED_OVER": "0"})
 
 
 def test_iterations_of_co_located_instances_never_overlap_and_go_by_deadline() -> None:
@@ -215,3 +226,179 @@ async def _test_a_request_that_goes_away_while_waiting_leaves_nothing_behind() -
 
 def test_a_request_that_goes_away_while_waiting_leaves_nothing_behind() -> None:
     asyncio.run(_test_a_request_that_goes_away_while_waiting_leaves_nothing_behind())
+
+
+def _sends_that_fit(sock: socket.socket) -> int:
+    """How many messages ``sock`` sends before its buffer is full (the peer reads none)."""
+    probe, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    probe.setblocking(False)
+    count = 0
+    with probe, peer:
+        try:
+            while True:
+                probe.send(encode(Message(Op.VERDICT)))
+                count += 1
+        except BlockingIOError:
+            return count
+
+
+async def _test_a_worker_cut_off_mid_batch_is_not_scheduled_again() -> None:
+    # The worker asks for admissions and never reads a verdict: the agent's send fails and it
+    # is detached. What it queued after that must neither bring it back (a grant for an
+    # instance that is gone holds the device) nor raise out of the agent's callback.
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    agent_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # the minimum: fills fast
+    for _ in range(_sends_that_fit(agent_end) + 2):
+        worker_end.send(encode(Message(Op.ADMIT, 10.0)))
+        worker_end.send(encode(Message(Op.WANT, 1.0)))
+    grants.attach("rogue", agent_end, view()[0])
+    await asyncio.sleep(0.05)
+    assert grants.instance_ids == []
+    assert grants.scheduler.running is None and not grants.scheduler.waiting
+    assert errors == []
+    # The worker learns it: after the verdicts sent, its end reads closed (its gate then runs
+    # the instance on its own instead of waiting for a grant forever).
+    worker_end.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while worker_end.recv(SIZE):
+            pass
+    assert worker_end.recv(SIZE) == b""
+    worker_end.close()
+    grants.close()
+
+
+def test_a_worker_cut_off_mid_batch_is_not_scheduled_again() -> None:
+    asyncio.run(_test_a_worker_cut_off_mid_batch_is_not_scheduled_again())
+
+
+async def _test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> None:
+    # Tenant code runs in the worker: it may refill its socket as fast as the agent drains it.
+    # One wake-up of the agent handles a bounded batch, so its other callbacks run between.
+    grants = DeviceGrants("cpu")
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    worker_end.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            worker_end.send(encode(Message(Op.WANT, 1.0)))
+            sent += 1
+    assert sent > MAX_BATCH
+    grants.attach("flood", agent_end, view()[0])
+    grants._readable("flood")  # one wake-up of the agent's loop
+    left = agent_end.recv(SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    assert decode(left) == Message(Op.WANT, 1.0)  # the rest waits for the next turn
+    assert grants.instance_ids == ["flood"]
+    worker_end.close()
+    grants.close()
+
+
+def test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop() -> None:
+    asyncio.run(_test_a_flooding_worker_gets_a_bounded_share_of_the_agents_loop())
+
+
+async def _test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working() -> None:
+    # A request cancelled while it waits for admission (its client gone), an engine loop
+    # cancelled while it waits for the device: the answer still comes. The gate must neither
+    # raise out of its reader nor keep a device nobody will run on.
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    a, b = pair(grants, "a"), pair(grants, "b")
+    asking = asyncio.create_task(a.admit(10))
+    await asyncio.sleep(0)  # the ADMIT is sent
+    asking.cancel()
+    await asyncio.sleep(0.02)  # its verdict arrives
+    assert await asyncio.wait_for(a.admit(10), 1.0) == 0
+    await b.acquire(1.0)  # b holds the device (a lease)
+    waiting = asyncio.create_task(a.acquire(2.0))
+    await asyncio.sleep(0.02)
+    waiting.cancel()
+    b.release()  # b yields: the device is granted to a, whose wait was cancelled
+    await asyncio.sleep(0.02)
+    assert grants.scheduler.running is None  # a gave it back at once
+    await asyncio.wait_for(b.acquire(1.0), 1.0)
+    await asyncio.wait_for(a.admit(10), 1.0)
+    assert errors == []
+    a.close(), b.close(), grants.close()
+
+
+def test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working() -> None:
+    asyncio.run(_test_a_cancelled_wait_for_a_verdict_or_a_grant_leaves_the_gate_working())
+
+
+async def _test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour() -> None:
+    # Tenant code can speak for its worker: it gives every grant back at once and asks again
+    # with a deadline nobody beats. Its neighbour still gets the device after a bounded number
+    # of grants passed it over.
+    grants = DeviceGrants("cpu", TokenSchedulingConfig(enabled=True, max_iteration_s=3600))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    grants.attach("greedy", agent_end, view()[0])
+    AGENT_ENDS.append(agent_end)
+    loop = asyncio.get_running_loop()
+    worker_end.setblocking(False)
+    first = encode(Message(Op.WANT, -1e300))
+    again = encode(Message(Op.DONE))
+
+    def greedy() -> None:
+        with contextlib.suppress(BlockingIOError):
+            while decode(worker_end.recv(SIZE)).op is Op.GRANT:
+                worker_end.send(again)
+                worker_end.send(first)
+
+    loop.add_reader(worker_end.fileno(), greedy)
+    worker_end.send(first)
+    honest = pair(grants, "honest")
+    try:
+        await asyncio.wait_for(honest.acquire(1.0), 2.0)
+        honest.release()
+        assert grants.scheduler.num_grants > 2
+    finally:
+        loop.remove_reader(worker_end.fileno())
+        honest.close(), grants.close()
+        worker_end.close()
+
+
+def test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour() -> None:
+    asyncio.run(_test_a_worker_claiming_the_earliest_deadline_forever_does_not_starve_its_neighbour())
+
+
+async def _test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly() -> None:
+    # An ADMIT runs a shadow validation: with a full page of requests waiting for their
+    # prefill, milliseconds each (more with neighbours). A wake-up of the agent's loop
+    # stops after a short time budget, not after MAX_BATCH of them.
+    grants = DeviceGrants("cpu")
+    table = TimeTable((1, 1024), (1e-6, 1e-3), (1, 64), (1, 4096), ((1e-6, 1e-6), (1e-6, 1e-6)))
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    AGENT_ENDS.append(agent_end)
+    agent_view, page = view(table, Slo(ttft_s=86399, tpot_s=1e-3))
+    now = time.monotonic()
+    page.write(4096.0, [Entry(now - 86398, 1, 0)] * MAX_ENTRIES)  # 128 prefills first, each cycle
+    one = time.perf_counter()
+    admit({"flood": agent_view}, "flood", 10, now)
+    one = time.perf_counter() - one
+    worker_end.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while sent < MAX_BATCH:
+            worker_end.send(encode(Message(Op.ADMIT, 10.0)))
+            sent += 1
+    grants.attach("flood", agent_end, agent_view)
+    held = time.perf_counter()
+    grants._readable("flood")  # one wake-up of the agent's loop
+    held = time.perf_counter() - held
+    assert held < 16 * one, f"one wake-up held the loop {held:.2f} s ({one * 1e3:.1f} ms an ADMIT)"
+    worker_end.close()
+    grants.close()
+
+
+def test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly() -> None:
+    asyncio.run(_test_a_worker_flooding_costly_admissions_holds_the_agents_loop_briefly())

@@ -61,3 +61,20 @@ def test_never_two_at_once_and_always_the_earliest_deadline(events: list[tuple[s
         if granted is not None:
             assert s.running == granted and granted not in s.waiting
             assert all(w.deadline >= earliest for w in s.waiting.values())  # type: ignore[operator]
+
+
+def test_an_instance_passed_over_too_often_goes_next() -> None:
+    s = TokenScheduler(max_passed_over=3)
+    s.want("b", 10.0)
+    grants = []
+    for _ in range(8):  # a asks again at once, always with the earliest deadline
+        s.want("a", -1e300)
+        granted = s.grant()
+        assert granted is not None
+        grants.append(granted)
+        s.done(granted)
+        if granted == "b":
+            s.want("b", 10.0)
+    assert grants == ["a", "a", "a", "b", "a", "a", "a", "b"]
+    with pytest.raises(ValueError, match="max_passed_over"):
+        TokenScheduler(max_passed_over=0)
