@@ -42,3 +42,16 @@ def test_a_line_of_another_benchmark_is_refused(tmp_path: Path) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="no JSON line"):
         newest(path, "trace")
+
+
+def test_issue_16_figures_from_the_committed_measurements(tmp_path: Path) -> None:
+    """bench.mesh / bench.overlap / bench.lora lines as measured (docs/figures/data) draw."""
+    data = Path(__file__).resolve().parents[2] / "docs" / "figures" / "data"
+    picked = tmp_path / "data"
+    picked.mkdir()
+    for name in ("mesh.jsonl", "overlap.jsonl", "lora.jsonl"):
+        (picked / name).write_text((data / name).read_text())
+    written = draw(picked, tmp_path / "figures")
+    assert sorted(p.name for p in written) == ["mesh_capacity.png", "tidal_lora.png", "tidal_overlap.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
