@@ -41,6 +41,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import plots_mesh, plots_tangram
+from bench.figure_file import save
 
 MiB = 1 << 20
 POLICY_COLORS = {"iam": "#d62728", "lru": "#1f77b4", "lfu": "#2ca02c", "arc": "#9467bd", "srrip": "#ff7f0e"}
@@ -96,10 +97,7 @@ def plot_trace(data: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(label)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Model-importance policies on ember serve ({title})")
-    fig.tight_layout()
-    first = out / "trace_policies.png"
-    fig.savefig(first, dpi=110)
-    plt.close(fig)
+    first = save(fig, out / "trace_policies.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, (key, label) in zip(
@@ -111,10 +109,7 @@ def plot_trace(data: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
     fig.suptitle("Cold-start rate and SLO attainment per configuration")
-    fig.tight_layout()
-    second = out / "trace_slo.png"
-    fig.savefig(second, dpi=110)
-    plt.close(fig)
+    second = save(fig, out / "trace_slo.png")
     return [first, second]
 
 
@@ -134,11 +129,7 @@ def plot_trace_pool(data: dict[str, Any], out: Path) -> list[Path]:
     fig.suptitle(
         f"Policies on the pool alone, one sequence of {data['starts']} instance starts from the same trace"
     )
-    fig.tight_layout()
-    path = out / "trace_pool_hits.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "trace_pool_hits.png")]
 
 
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Path], list[Path]]]] = {

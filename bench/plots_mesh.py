@@ -8,6 +8,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from bench.figure_file import save
+
 CONFIG_STYLE = {
     "colocated": ("#d62728", "co-located, token-level"),
     "exclusive": ("#1f77b4", "one per device"),
@@ -34,11 +36,7 @@ def plot_mesh(data: dict[str, Any], out: Path) -> list[Path]:
     title = f"{len(data['functions'])} functions on one CPU device"
     ax.set_title(title + (f": capacity x{ratio:.2f}" if ratio is not None else ""))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "mesh_capacity.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "mesh_capacity.png")]
 
 
 def plot_overlap(data: dict[str, Any], out: Path) -> list[Path]:
@@ -64,11 +62,7 @@ def plot_overlap(data: dict[str, Any], out: Path) -> list[Path]:
     gib = data["model_bytes"] / (1 << 30)
     ax.set_title(f"{gib:.2f} GiB model, page cache {data['page_cache']}: ratio {data['ttft_ratio']:.2f}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "tidal_overlap.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "tidal_overlap.png")]
 
 
 def plot_lora(data: dict[str, Any], out: Path) -> list[Path]:
@@ -89,8 +83,4 @@ def plot_lora(data: dict[str, Any], out: Path) -> list[Path]:
     right.set_xticks(range(2), ["resident in the pool", "base + adapters"], fontsize=8)
     right.set_ylabel("MiB")
     right.set_title("one base, per-function adapters")
-    fig.tight_layout()
-    path = out / "tidal_lora.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "tidal_lora.png")]

@@ -8,6 +8,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from bench.figure_file import save
+
 MiB = 1 << 20
 PARTS = (
     ("compute_ms", "Compute", "#7f7f7f"),
@@ -44,11 +46,7 @@ def plot_fig10(data: dict[str, Any], out: Path) -> list[Path]:
     fig.suptitle(
         f"Loading policies, {data['requests_per_run']} requests at locality {data['locality']}{note}"
     )
-    fig.tight_layout()
-    path = out / "tangram_fig10.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "tangram_fig10.png")]
 
 
 def plot_fig12(data: dict[str, Any], out: Path) -> list[Path]:
@@ -79,11 +77,7 @@ def plot_fig12(data: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
     fig.suptitle("Tangram (MCE+PGP) against no reuse by workload locality and batch size")
-    fig.tight_layout()
-    path = out / "tangram_fig12.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "tangram_fig12.png")]
 
 
 def plot_dedup(data: dict[str, Any], out: Path) -> list[Path]:
@@ -119,8 +113,4 @@ def plot_dedup(data: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("MiB in the pool")
     ax.legend(fontsize=8)
     ax.set_title("Fine-tuned variants share their base's tensors (dedup by fingerprint)")
-    fig.tight_layout()
-    path = out / "zoo_dedup.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / "zoo_dedup.png")]

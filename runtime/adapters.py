@@ -15,7 +15,6 @@ checked before any byte is hashed, offline.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -25,12 +24,11 @@ from typing import Any
 from runtime.errors import RegistrationError
 from runtime.model_formats import ModelFormatError, check_safetensors
 from runtime.models.lora import LoraAdapter, LoraConfig, LoraError, canonical_name
-from runtime.registry import file_lock, fsync_tree, models_dir
+from runtime.registry import file_lock, models_dir, staged
 from runtime.sources import SourceRoots, resolve_adapter
 
 _RECORD = "registration.json"
 _STORE_DIR = "store"
-_TMP_PREFIX = ".tmp-"
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_TENSORS = 4096  # LoRA A/B of 7 projections x 256 layers is 3584
 DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # the base's activation dtype
@@ -138,11 +136,7 @@ def _register(source: str, dtype: str, home: Path | None, roots: SourceRoots | N
     with file_lock(root / f".lock-{adapter_id}"):
         if (final / _RECORD).is_file():
             return load_adapter(final)
-        for stale in root.glob(f"{_TMP_PREFIX}{adapter_id}-*"):  # a crashed registration's
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f"{_TMP_PREFIX}{adapter_id}-{os.getpid()}"
-        tmp.mkdir()
-        try:
+        with staged(root, adapter_id) as tmp:
             _build(weights_file, dtype, config, tmp, adapter_id)
             shutil.copyfile(config_file, tmp / "adapter_config.json")
             record = {
@@ -156,11 +150,6 @@ def _register(source: str, dtype: str, home: Path | None, roots: SourceRoots | N
                 "targets": list(config.targets),
             }
             (tmp / _RECORD).write_text(json.dumps(record, indent=1))
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return load_adapter(final)
 
 

@@ -116,11 +116,7 @@ def register(
             model = load(final)
             ensure_time_table(model)  # registered before time tables were materialized
             return model
-        _remove_stale_temporaries(root, model_id)
-        tmp = root / f"{_TMP_PREFIX}{model_id}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
+        with staged(root, model_id) as tmp:
             start = time.perf_counter()
             config = _build(src, dtype, tmp, model_id, progress)
             record = {
@@ -137,11 +133,6 @@ def register(
                 "seconds": round(time.perf_counter() - start, 3),
             }
             (tmp / _RECORD).write_text(json.dumps(record, indent=1))
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return load(final)
 
 
@@ -326,6 +317,24 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextmanager
+def staged(root: Path, entry_id: str) -> Iterator[Path]:
+    """A fresh directory to build entry ``entry_id`` of ``root`` in (a crashed registration's
+    half-built ones are removed first); when the block ends it is synced and renamed into place
+    at once, or removed if the block failed. Hold the entry's :func:`file_lock`."""
+    _remove_stale_temporaries(root, entry_id)
+    tmp = root / f"{_TMP_PREFIX}{entry_id}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        os.rename(tmp, root / entry_id)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _remove_stale_temporaries(root: Path, model_id: str) -> None:
