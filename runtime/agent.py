@@ -514,10 +514,12 @@ class NodeAgent:
 
     async def _pool_died(self, device: str) -> None:
         """Fail the instances on ``device`` fast and mark the workers that mapped its arena."""
-        victims = [w for w in self._instances.values() if w.device == device]
-        victims += self._standbys.pool_died(device)
+        standbys = self._standbys.pool_died(device)  # forgotten here: their lines close now
+        victims = [w for w in self._instances.values() if w.device == device] + standbys
         for worker in victims:  # SIGKILL: its session and KV blocks are gone, nothing to drain
             worker.kill()
+        for worker in standbys:  # (an instance's close at its stop(), after its grants detach)
+            worker.close_lines()
         self._workers.mark_stale()
         if victims:  # reaped here so that alive() turns false at once (bounded: never hang)
             await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in victims], timeout=5.0)

@@ -143,9 +143,11 @@ class WarmPool:
                 resp = await self._http.post(worker, "preload", PreloadMessage(model_dir).to_json())
                 if resp.status != 200:
                     raise LaunchError(f"the worker could not preload {model_dir}: {resp.error_message()}")
-        except Exception as exc:  # a worker that is not fully ready must not linger
+        except BaseException as exc:  # a worker that is not fully ready must not linger
             if worker is not None:
                 await worker.terminate(self.config.drain_timeout_s)
+            if not isinstance(exc, Exception):  # cancelled (the agent closes)
+                raise
             error = f"{type(exc).__name__}: {exc}"
             self.spawn_errors = [*self.spawn_errors[-(MAX_SPAWN_ERRORS - 1) :], error]
             retry_in = self.backoff.failed(error)
@@ -232,8 +234,16 @@ class WarmPool:
             await proc.wait()
             tail = log_path.read_text(errors="replace")[-2000:]
             raise LaunchError(f"a pre-warmed worker failed to start: {tail.strip()}")
-        ready = json.loads(line)
-        return WorkerHandle(proc, str(ready["url"]), log_path, token, mesh_sock=mesh, mesh_page=page)
+        try:
+            url = str(json.loads(line)["url"])
+        except (ValueError, KeyError, TypeError) as exc:
+            mesh.close()
+            page.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise LaunchError(f"a pre-warmed worker sent a malformed ready line: {exc}") from None
+        return WorkerHandle(proc, url, log_path, token, mesh_sock=mesh, mesh_page=page)
 
     async def _age(self, pid: int) -> None:
         """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config).
@@ -253,11 +263,13 @@ class WarmPool:
         while True:
             while self._warm:
                 worker = self._warm.pop(0)
-                if worker.running:
-                    self._urgent.clear()
-                    stale = " (stale: mapped a dead pool's arena)" if worker.pid in self._stale else ""
-                    log.info("took pre-warmed worker %d%s; %d left", worker.pid, stale, len(self._warm))
-                    return worker
+                if not worker.running:  # died while it waited: forgotten
+                    worker.close_lines()
+                    continue
+                self._urgent.clear()
+                stale = " (stale: mapped a dead pool's arena)" if worker.pid in self._stale else ""
+                log.info("took pre-warmed worker %d%s; %d left", worker.pid, stale, len(self._warm))
+                return worker
             if not self._urgent.is_set():
                 log.info("a launch waits for a pre-warmed worker (%d starting)", self._pending_spawns)
             self._urgent.set()

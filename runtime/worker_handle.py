@@ -53,15 +53,22 @@ class WorkerHandle:
 
     async def terminate(self, drain_timeout_s: float) -> None:
         """SIGTERM (the worker drains), SIGKILL after ``drain_timeout_s``; returns once reaped."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), drain_timeout_s)
-            except TimeoutError:
+        try:
+            if self.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
+                    self.proc.terminate()
+                try:
+                    await asyncio.wait_for(self.proc.wait(), drain_timeout_s)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        self.proc.kill()
+                    await self.proc.wait()
+        finally:  # also when cancelled while it drains (the agent closing)
+            self.close_lines()
+
+    def close_lines(self) -> None:
+        """Close the agent's ends of the worker's token-scheduler line and state page
+        (idempotent; detach it from its device's grants first)."""
         if self.mesh_sock is not None:
             self.mesh_sock.close()
         if self.mesh_page is not None:
