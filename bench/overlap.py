@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> None:
         help="register the zoo model's source again under this EMBER_HOME (this code's traced "
         "access order and file layout) instead of using the zoo's registration",
     )
+    parser.add_argument(
+        "--direct-reads",
+        choices=("on", "off"),
+        default="on",
+        help="the pool reads uncached store bytes by O_DIRECT (gpu_pool.arena.direct_read)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.reps < 1 or args.prompt_tokens < 1:
@@ -81,7 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.load_threads < 1:
         parser.error("--load-threads must be >= 1")
     line = run(
-        args.model, args.reps, args.prompt_tokens, args.page_cache, args.arena, args.load_threads, args.home
+        args.model,
+        args.reps,
+        args.prompt_tokens,
+        args.page_cache,
+        args.arena,
+        args.load_threads,
+        args.home,
+        args.direct_reads == "on",
     )
     emit(line, args.out)
 
@@ -94,6 +107,7 @@ def run(
     arena: str,
     load_threads: int = 2,
     home: Path | None = None,
+    direct_reads: bool = True,
 ) -> dict[str, Any]:
     from bench.zoo import build, default_root
     from gpu_pool.client import PoolClient
@@ -125,6 +139,7 @@ def run(
         env = {
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
             "EMBER_POOL_LOAD_THREADS": str(load_threads),
+            "EMBER_POOL_DIRECT_READS": "true" if direct_reads else "false",
         }
         with running_pool(sock, arena, env=env, store_roots=(models_home / "models",)) as pool:
 
@@ -175,6 +190,8 @@ def run(
                     (overlapped if progressive else sequential).append(start(progressive))
                 loads.append(load_alone())
                 prefills.append(prefill_alone())
+            with PoolClient(sock) as client:
+                stats = client.stats()
 
     def p50(values: list[float]) -> float:
         return round(statistics.median(values), 4)
@@ -193,6 +210,9 @@ def run(
         "reps": reps,
         "page_cache": page_cache,
         "load_threads": load_threads,
+        "direct_reads": direct_reads,
+        # Of every byte the pool loaded in this run (untimed starts included).
+        "direct_fraction": round(stats["bytes_read_direct"] / max(1, stats["bytes_loaded"]), 3),
         "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "ttft_overlapped_s_p50": ov,

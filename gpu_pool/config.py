@@ -71,6 +71,9 @@ class PoolConfig:
     packing: PackingPolicy = PackingPolicy.PGP
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     load_threads: int = 2
+    # CPU only: store bytes the page cache does not hold are read by O_DIRECT, off the cores
+    # that compute (gpu_pool.arena.direct_read); False: every read buffered.
+    direct_reads: bool = True
     host_cache_bytes: int = 1 << 30  # CUDA only: pinned host cache budget
     # Trusted model store roots (absolute). Empty: the daemon serves KV blocks and stats but
     # refuses every acquire that names a tensor, since it has nowhere trusted to load from.
@@ -123,8 +126,9 @@ class PoolConfig:
 
     @property
     def aligned_arena_bytes(self) -> int:
-        """Arena size rounded down to 2 MiB (huge-page and CUDA-granularity friendly)."""
-        return self.arena_bytes // (2 << 20) * (2 << 20) or self.arena_bytes // 256 * 256
+        """Arena size rounded down to 2 MiB (huge-page and CUDA-granularity friendly), or to a
+        page under 2 MiB (a multiple of every placement alignment)."""
+        return self.arena_bytes // (2 << 20) * (2 << 20) or self.arena_bytes // 4096 * 4096
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> PoolConfig:
@@ -147,6 +151,8 @@ class PoolConfig:
             values["packing"] = _parse_enum(PackingPolicy, env["EMBER_POOL_PACKING"], "EMBER_POOL_PACKING")
         if "EMBER_POOL_LOAD_THREADS" in env:
             values["load_threads"] = _parse_int(env["EMBER_POOL_LOAD_THREADS"], "EMBER_POOL_LOAD_THREADS")
+        if "EMBER_POOL_DIRECT_READS" in env:
+            values["direct_reads"] = _parse_bool(env["EMBER_POOL_DIRECT_READS"], "EMBER_POOL_DIRECT_READS")
         if "EMBER_POOL_HOST_CACHE" in env:
             values["host_cache_bytes"] = parse_size(env["EMBER_POOL_HOST_CACHE"], "EMBER_POOL_HOST_CACHE")
         if "EMBER_POOL_STORE" in env:

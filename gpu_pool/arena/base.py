@@ -32,6 +32,8 @@ class BaseArena(ABC):
 
     device: str
     capacity: int
+    # Store bytes loaded by direct I/O so far (gpu_pool.arena.direct_read; CPU arenas only).
+    bytes_read_direct: int = 0
     # Nominal in-arena copy bandwidth (bytes/s): what the planner prices a move at. Host
     # memcpy here measures ~10 GB/s; a GPU backend overrides it (HBM copies are ~100x that).
     move_bandwidth: float = 10e9

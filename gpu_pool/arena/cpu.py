@@ -15,9 +15,10 @@ themselves cannot be removed. Clients receive the descriptor over the pool socke
 (``SCM_RIGHTS``, see :mod:`gpu_pool.wire.fdpass`) and map it ``PROT_READ``: zero copy, and a
 worker that writes into another function's weights dies of SIGSEGV instead of poisoning them.
 
-Loads read store files with ``os.preadv`` straight into the daemon's mapping (the kernel
-copies from the page cache; measured faster here than faulting in an mmap of the store),
-groups in parallel threads.
+Loads read store files with ``os.preadv`` straight into the daemon's mapping, groups in
+parallel threads: from the page cache where it holds the bytes (measured faster here than
+faulting in an mmap of the store), else by direct I/O into the arena's pages
+(:mod:`gpu_pool.arena.direct_read`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import fcntl
 import mmap
 import os
 import secrets
-import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_pool.arena.base import BaseArena, CopyJob, read_exactly
-from gpu_pool.errors import LoadError
+from gpu_pool.arena.base import BaseArena, CopyJob
+from gpu_pool.arena.direct_read import StoreFile
 
 # Linux 5.1+; Python's fcntl module does not export it (3.11).
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
@@ -49,7 +49,7 @@ PREFAULT_STEP = 16 << 20  # bytes per madvise call: bounds how long close() wait
 class CpuArena(BaseArena):
     """A sealed memfd of ``capacity`` bytes; only this object's mapping can write it."""
 
-    def __init__(self, capacity: int, prefault: bool = True, num_threads: int = 2):
+    def __init__(self, capacity: int, prefault: bool = True, num_threads: int = 2, direct_reads: bool = True):
         if capacity <= 0:
             raise ValueError("arena capacity must be > 0")
         if num_threads <= 0:
@@ -70,6 +70,9 @@ class CpuArena(BaseArena):
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._base = self._array.ctypes.data
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="ember-load")
+        self.direct_reads = direct_reads  # uncached store bytes by O_DIRECT (gpu_pool.arena.direct_read)
+        self.bytes_read_direct = 0  # of all loads so far
+        self._counter_lock = threading.Lock()  # loads of different acquires may run at once
         self._closed = False
         self._stop_prefault = threading.Event()
         self.prefaulted = threading.Event()  # set once every page is populated (or that stopped)
@@ -114,33 +117,29 @@ class CpuArena(BaseArena):
         for group in groups:
             for job in group:
                 self._check_range(job.dst, job.nbytes)
-        fds: dict[str, int] = {}
+        files: dict[str, StoreFile] = {}
         try:
             for group in groups:
                 for job in group:
-                    if job.file not in fds:
-                        try:
-                            fd = os.open(job.file, os.O_RDONLY | os.O_NONBLOCK)
-                        except OSError as exc:
-                            raise LoadError(f"cannot open store file {job.file}: {exc.strerror}") from None
-                        fds[job.file] = fd
-                        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device would block the pool
-                            raise LoadError(f"store file {job.file} is not a regular file")
-            futures = [self._pool.submit(self._run_group, group, fds) for group in groups]
+                    if job.file not in files:
+                        files[job.file] = StoreFile(job.file, self.direct_reads)
+            futures = [self._pool.submit(self._run_group, group, files) for group in groups]
             # Wait for every group before the descriptors close, then raise the first failure.
             wait(futures)
             for f in futures:
                 f.result()
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for file in files.values():
+                with self._counter_lock:
+                    self.bytes_read_direct += file.bytes_direct
+                file.close()
 
-    def _run_group(self, group: Sequence[CopyJob], fds: dict[str, int]) -> None:
+    def _run_group(self, group: Sequence[CopyJob], files: dict[str, StoreFile]) -> None:
         # Through the daemon's own (pre-seal, writable) mapping: the sealed file refuses writes.
         view = memoryview(self._mmap)
         try:
             for job in group:
-                read_exactly(fds[job.file], job, view[job.dst : job.dst + job.nbytes])
+                files[job.file].read(job, view[job.dst : job.dst + job.nbytes], self._base + job.dst)
         finally:
             view.release()
 

@@ -50,11 +50,12 @@ from typing import Any
 
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena.base import BaseArena, CopyJob
+from gpu_pool.arena.direct_read import DIRECT_ALIGN
 from gpu_pool.arena.kv_memory import SessionKV
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, InvalidArgument, LoadError, MessageTooLarge, OutOfMemory, PoolError
 from gpu_pool.manifest import Manifest
-from gpu_pool.planner.regions import align_up
+from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, align_up
 from gpu_pool.server import progressive
 from gpu_pool.server.access import AccessControl, Session
 from gpu_pool.server.hardening import make_undumpable
@@ -86,6 +87,7 @@ def make_arena(config: PoolConfig) -> BaseArena:
             config.aligned_arena_bytes,
             prefault=config.prefault,
             num_threads=config.load_threads,
+            direct_reads=config.direct_reads,
         )
     from gpu_pool.arena.cuda import CudaArena
 
@@ -107,6 +109,9 @@ class PoolDaemon:
         self.store = ReuseStore(
             self.arena,
             StoreConfig(
+                # CPU: the disk's logical block, so that tensor bytes can be read into their
+                # places by direct I/O (gpu_pool.arena.direct_read).
+                alignment=DIRECT_ALIGN if config.device == "cpu" else DEFAULT_ALIGNMENT,
                 eviction=config.eviction,
                 packing=config.packing,
                 prefix_bytes=config.prefix_bytes,

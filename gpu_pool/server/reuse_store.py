@@ -484,6 +484,7 @@ class ReuseStore:
             "num_regions": len(regions),
             "num_kv_blocks": len(self.kv_blocks),
             "bytes_loaded": loaded,
+            "bytes_read_direct": self.arena.bytes_read_direct,
             "bytes_reused": self.counters["bytes_reused"],
             "bytes_moved": self.counters["bytes_moved"],
             "bytes_evicted": self.counters["bytes_evicted"],

@@ -8,6 +8,6 @@ and :mod:`~gpu_pool.store.trust` is how the daemon checks a client's manifest ag
 entries it trusts.
 """
 
-from gpu_pool.store.entry import MANIFEST_FILE, TENSORS_FILE, read, read_metadata, verify, write
+from gpu_pool.store.entry import DATA_ALIGN, MANIFEST_FILE, TENSORS_FILE, read, read_metadata, verify, write
 
-__all__ = ["MANIFEST_FILE", "TENSORS_FILE", "read", "read_metadata", "verify", "write"]
+__all__ = ["DATA_ALIGN", "MANIFEST_FILE", "TENSORS_FILE", "read", "read_metadata", "verify", "write"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 TENSORS_FILE = "tensors.safetensors"
+DATA_ALIGN = 4096  # bytes: where a store file's tensor data starts
 MANIFEST_FILE = "manifest.json"
 _METADATA = "metadata"  # manifest.json key of write()'s metadata (Manifest.from_dict ignores it)
 
@@ -117,7 +118,10 @@ def _save_in_order(tensors: dict[str, torch.Tensor], file: Path) -> bool:
         header[name] = {"dtype": tag, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    # The data starts on a 4 KiB boundary (safetensors allows a header padded with spaces):
+    # tensor bytes then sit block-aligned in the file, as direct I/O reads them
+    # (gpu_pool.arena.direct_read).
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)

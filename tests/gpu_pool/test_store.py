@@ -308,6 +308,8 @@ def test_the_file_lays_tensors_out_in_the_order_given(tmp_path: Path) -> None:
     assert [e.name for e in manifest.tensors] == list(tensors) and offsets == sorted(offsets)
     loaded = load_file(str(tmp_path / "ordered" / store.TENSORS_FILE))
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    # The data starts on a 4 KiB boundary, where direct I/O can read it (gpu_pool.arena.direct_read).
+    assert offsets[0] % store.DATA_ALIGN == 0
     # A float32 after an odd number of bytes would be unaligned: the library's layout instead.
     odd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.ones(2, dtype=torch.float32)}
     manifest = store.write(tmp_path / "odd", odd)
