@@ -16,7 +16,9 @@ boundary and the pool places tensors on 512-byte boundaries
 (:data:`gpu_pool.planner.regions.DEFAULT_ALIGNMENT`), so a tensor's bytes qualify whenever the
 sizes before it keep the file aligned. Unaligned heads and tails, jobs whose file and arena
 offsets disagree modulo the block, kernels without ``cachestat`` and file systems without
-``O_DIRECT`` (tmpfs) read buffered, as before.
+``O_DIRECT`` (tmpfs) read buffered, as before. So do files on overlayfs (a container's root
+file system): their page cache belongs to the file underneath, where ``cachestat`` on the
+overlay's descriptor does not look, so every cached byte would be read again from the disk.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpu_pool.errors import LoadError
 DIRECT_ALIGN = 512  # bytes: the logical block of common disks (a 4Kn disk answers EINVAL: buffered)
 PIECE_BYTES = 8 << 20  # bytes asked of cachestat at a time: a partly cached file mixes both reads
 SYS_CACHESTAT = 451  # x86_64 and aarch64 (the generic table) alike
+OVERLAYFS_SUPER_MAGIC = 0x794C7630  # statfs(2) f_type of overlayfs
 
 
 class _CachestatRange(ctypes.Structure):
@@ -64,7 +67,7 @@ class StoreFile:
         try:
             if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # a FIFO or device would block the pool
                 raise LoadError(f"store file {path} is not a regular file")
-            if direct:
+            if direct and _fs_type(self.fd) != OVERLAYFS_SUPER_MAGIC:
                 try:
                     self.direct_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_DIRECT)
                 except OSError:  # EINVAL on tmpfs, no /proc: buffered reads only
@@ -142,6 +145,16 @@ class StoreFile:
             ctypes.byref(result),
             ctypes.c_uint(0),
         )
-        if rc != 0:  # ENOSYS before Linux 6.5
+        # ENOSYS before Linux 6.5 (or under seccomp); EPERM on newer kernels for a file the
+        # daemon neither owns nor may write (cachestat would otherwise reveal other users' reads).
+        if rc != 0:
             return True
         return bool(result.nr_cache * page >= span.len)
+
+
+def _fs_type(fd: int) -> int | None:
+    """``statfs(2)``'s ``f_type`` of the file system holding ``fd`` (None when unknown)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux
+    if ctypes.CDLL(None, use_errno=True).fstatfs(ctypes.c_int(fd), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value  # the first field, a long on 64-bit Linux

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,32 @@ def test_the_cpu_arena_loads_a_dropped_file_exactly(tmp_path: Path, direct: bool
             assert arena.bytes_read_direct == 0
     finally:
         arena.close()
+
+
+def test_a_cached_file_on_overlayfs_is_read_from_the_page_cache(tmp_path: Path) -> None:
+    """overlayfs (a container's root file system) keeps the page cache on the file underneath,
+    which cachestat on the overlay's descriptor does not see: without a guard, every cached
+    byte was read again from the disk."""
+    layers = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
+    for layer in layers.values():
+        layer.mkdir()
+    options = f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}"
+    mounted = subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", options, str(layers["merged"])],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount an overlayfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        path = layers["merged"] / "store.bin"
+        data = write_file(path)
+        path.read_bytes()  # every page cached
+        file = StoreFile(str(path))
+        try:
+            assert read_into(file, CopyJob(str(path), 0, 0, FILE_BYTES), FILE_BYTES) == data
+            assert file.bytes_direct == 0
+        finally:
+            file.close()
+    finally:
+        subprocess.run(["umount", str(layers["merged"])], check=True)
