@@ -419,7 +419,7 @@ def bind_at(
     waits per layer, :mod:`runtime.models.layer_gate`)."""
     import torch
 
-    from runtime.engine.build import PoolKV, build_engine
+    from runtime.engine.build import PoolKV, build_engine, pool_block_bytes
     from runtime.models.llama import LlamaConfig, LlamaModel
 
     timings = {} if timings is None else timings
@@ -444,5 +444,6 @@ def bind_at(
     )
     timings["build_ms"] = (time.perf_counter() - t1) * 1e3
     report: AcquireReport = client.last_acquire
-    quota_blocks = None if kv_quota_bytes is None else kv_quota_bytes // int(profile["kv_block_bytes"])
+    block_bytes = pool_block_bytes(int(profile["kv_block_bytes"]), client.alignment)  # as the pool counts
+    quota_blocks = None if kv_quota_bytes is None else kv_quota_bytes // block_bytes
     return ModelBinding(template, engine, max_tokens, report, timings, kv_quota_blocks=quota_blocks)

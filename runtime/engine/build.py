@@ -27,8 +27,8 @@ class PoolKV:
     """KV blocks from the pool on demand, in the session's KV memory (``client.kv_arena()``).
 
     ``client`` is a connected :class:`gpu_pool.client.PoolClient`; ``block_bytes`` is one
-    block's size rounded up to the pool's alignment (see ``kv_storage.kv_block_bytes``), so a
-    block's pool offset divided by it is its block number."""
+    block's size, which the engine rounds up to the pool's alignment (:func:`pool_block_bytes`),
+    so a block's pool offset divided by it is its block number."""
 
     client: Any
     block_bytes: int
@@ -55,6 +55,13 @@ class PrivateKV:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+def pool_block_bytes(block_bytes: int, alignment: int) -> int:
+    """A KV block's size in a pool that places at ``alignment`` bytes (``PoolClient.alignment``):
+    the pool rounds every block up to it (512 bytes on CPU pools, for direct reads; a model's
+    profile rounds to 256), and an aligned block's number is its offset divided by that size."""
+    return -(-block_bytes // alignment) * alignment
+
+
 def build_engine(
     model: LlamaModel,
     tokenizer: Tokenizer,
@@ -69,12 +76,11 @@ def build_engine(
     from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, private_kv
 
     if isinstance(kv, PoolKV):
-        blocks = arena_kv_view(
-            kv.client.kv_arena(), model.config, config.block_size, kv_dtype, kv.block_bytes
-        )
+        block_bytes = pool_block_bytes(kv.block_bytes, kv.client.alignment)
+        blocks = arena_kv_view(kv.client.kv_arena(), model.config, config.block_size, kv_dtype, block_bytes)
         # KV bytes depend on the model, the dtype and the block geometry: all of it keys a block.
-        layout = f"{str(kv_dtype).removeprefix('torch.')}-bs{config.block_size}-{kv.block_bytes}"
-        source = PoolBlockSource(kv.client, kv.block_bytes, kv.prefix_model, layout, kv.recompute_s)
+        layout = f"{str(kv_dtype).removeprefix('torch.')}-bs{config.block_size}-{block_bytes}"
+        source = PoolBlockSource(kv.client, block_bytes, kv.prefix_model, layout, kv.recompute_s)
         key = f"{kv.prefix_model or ''}:{layout}"
         return Engine(model, tokenizer, blocks, source, set(eos_ids), config, model_key=key)
     tensor, private = private_kv(model.config, config.block_size, kv_dtype, kv.num_blocks)

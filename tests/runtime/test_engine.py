@@ -96,6 +96,33 @@ def test_staggered_concurrent_requests_match_solo_runs(tiny: RegisteredModel, po
         engine.close()
 
 
+def test_kv_blocks_the_pool_rounds_past_the_profiles_256_bytes_are_numbered_as_it_places_them(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """A CPU pool places at 512 bytes (direct reads); a profile rounds a block to 256. A block
+    of 768 bytes is 1024 in the pool: the engine must number and view blocks at that size."""
+    config = LlamaConfig.from_hf(tiny.config)
+    odd = 3  # tokens per block: 768 bytes of float32 KV for the tiny model
+    block_bytes = kv_block_bytes(config, odd, torch.float32)
+    with PoolClient(pool.socket_path) as client:
+        assert block_bytes % client.alignment, "the case needs a block the pool rounds up"
+        model = LlamaModel(config, client.acquire(tiny.manifest()))
+        tok = Tokenizer.from_file(str(tiny.directory / "tokenizer.json"))
+        engine = build_engine(
+            model,
+            tok,
+            {2},
+            PoolKV(client, block_bytes),
+            torch.float32,
+            EngineConfig(odd, 8, SchedulerConfig()),
+        )
+        reference = make_engine(tiny, client)
+        for p in prompts(4):
+            assert engine.generate([p], GREEDY)[0].output_ids == reference.generate([p], GREEDY)[0].output_ids
+        engine.close()
+        reference.close()
+
+
 def test_kv_bytes_follow_live_tokens_and_all_return(tiny: RegisteredModel, pool: PoolProcess) -> None:
     with PoolClient(pool.socket_path) as client:
         engine = make_engine(tiny, client, refill=1)
