@@ -211,24 +211,7 @@ class NodeAgent:
         if started is None:
             started = await self._from_prewarmed(start)
         worker, message, reply = started
-        name = function_name(spec)
-        log_path = self.config.log_dir / "functions" / name / f"instance-{instance_id}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
-        worker.log_path = log_path
-        worker.device = device
-        worker.threads = threads
-        worker.assigned = message
-        self._instances[instance_id] = worker
-        if message.token_scheduling and worker.mesh_sock is not None and worker.mesh_page is not None:
-            grants = self._grants.setdefault(device, DeviceGrants(device, self.config.tokens))
-            shape = self._kv_shapes.get(message.model_dir)  # read by the launch already: no thread hop
-            if shape is None:
-                shape = await asyncio.to_thread(self._model_shape, message.model_dir)
-            profile, context = shape
-            grants.attach(
-                instance_id, worker.mesh_sock, instance_view(worker.mesh_page, spec, profile, context)
-            )
+        log_path = await self._install(start, worker, message)
         # The others' share shrank: told in the background, off this start's path (each
         # instance applies it between two engine steps).
         self._spawn(self._share_cores())
@@ -236,12 +219,50 @@ class NodeAgent:
         log.info(
             "instance %s of %s started in worker %d: %s ms, %d bytes loaded",
             instance_id,
-            name,
+            function_name(spec),
             worker.pid,
             timings,
             reply.acquire.bytes_loaded,
         )
         return InstanceStart(worker.url, worker.pid, reply.acquire, timings, str(log_path), worker.token)
+
+    async def _install(self, start: _Start, worker: WorkerHandle, message: AssignMessage) -> Path:
+        """Make ``worker``, which took ``message``, the instance ``start`` asked for: its log
+        moved under its function, recorded, its token-scheduler line attached; returns the
+        log's path. Any failure (cancellation too) ends the worker: the caller forgets a launch
+        that raised, so nobody would ever stop it, and its lines would be dropped open."""
+        instance_id, device = start.instance_id, start.device
+        sock, page = worker.mesh_sock, worker.mesh_page
+        try:
+            view = None
+            if message.token_scheduling and sock is not None and page is not None:
+                shape = self._kv_shapes.get(message.model_dir)  # read by the launch already: no thread hop
+                if shape is None:
+                    shape = await asyncio.to_thread(self._model_shape, message.model_dir)
+                profile, context = shape
+                view = instance_view(page, start.spec, profile, context)
+            name = function_name(start.spec)
+            log_path = self.config.log_dir / "functions" / name / f"instance-{instance_id}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
+            worker.log_path = log_path
+            worker.device = device
+            worker.threads = start.threads
+            worker.assigned = message
+            # Nothing is awaited from here on: a stop() cannot close the line between the two.
+            self._instances[instance_id] = worker
+            if view is not None and sock is not None:
+                grants = self._grants.setdefault(device, DeviceGrants(device, self.config.tokens))
+                grants.attach(instance_id, sock, view)
+        except BaseException:
+            if self._instances.get(instance_id) is worker:
+                del self._instances[instance_id]
+            grants_of_device = self._grants.get(device)
+            if grants_of_device is not None and instance_id in grants_of_device.instance_ids:
+                grants_of_device.detach(instance_id)  # before its socket closes
+            await worker.terminate(self.config.drain_timeout_s)
+            raise
+        return log_path
 
     async def _from_standby(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply] | None:
         """Activate the function's standby; None when it has none or it failed (then ended)."""
@@ -305,6 +326,9 @@ class NodeAgent:
         except WorkerCallFailed as exc:
             await worker.terminate(drain_s)
             raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
+        except BaseException:  # cancelled (the scheduler closing): a worker half assigned, ended
+            await worker.terminate(drain_s)
+            raise
         if resp.status != 200:
             await worker.terminate(drain_s)
             kinds = {FUNCTION_INIT_FAILED: _InitFailed, OutOfMemory.code: NoRoom}
