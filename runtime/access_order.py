@@ -5,7 +5,9 @@ real weight table under a :class:`~torch.overrides.TorchFunctionMode` that notes
 operator each weight reaches, as TIDAL's tracer does: the order is what the forward actually
 touches, not the order of the source file or of the weight table. A quantized projection's
 planes (``.scales``, ``.mins``) are recorded where its dequantization reads them. Weights no
-operator reaches (none in a Llama) follow in their table order.
+operator reaches (none in a Llama) follow in their table order. A plain floating-point
+embedding table goes last: a progressive start reads its prompt's rows from the store file
+(:mod:`runtime.models.embedding_rows`) and first needs the whole table in a tied LM head.
 
 Registration stores the entry's tensors in this order (:mod:`gpu_pool.store.entry` lays the
 file out the same way) and a progressive acquire loads them in it, so a layer's bytes arrive
@@ -20,7 +22,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-ACCESS_ORDER_VERSION = 1  # the ``access_order`` record in a store entry's metadata
+from runtime.models.embedding_rows import EMBED, PLAIN
+
+# The ``access_order`` record in a store entry's metadata. 2: a plain embedding table last.
+ACCESS_ORDER_VERSION = 2
 
 
 class _Recorder(TorchFunctionMode):
@@ -86,7 +91,14 @@ def trace_access_order(hf_config: Mapping[str, Any], tensors: Mapping[str, torch
     with recorder:
         model.forward(batch, kv)
     seen = set(recorder.order)
-    return recorder.order + [name for name in weights if name not in seen]
+    order = recorder.order + [name for name in weights if name not in seen]
+    # A plain table's prompt rows are read from the store file while it loads
+    # (runtime.models.embedding_rows): it goes last, where a tied LM head first needs it whole.
+    embed = weights.get(EMBED)
+    plain = embed is not None and embed.dim() == 2 and str(embed.dtype).removeprefix("torch.") in PLAIN
+    if plain and not any(name.startswith(EMBED + ".") for name in weights):
+        order = [name for name in order if name != EMBED] + [EMBED]
+    return order
 
 
 def ordered(tensors: Mapping[str, torch.Tensor], order: Iterable[str]) -> dict[str, torch.Tensor]:

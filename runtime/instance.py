@@ -430,10 +430,13 @@ def bind_at(
     dtype = getattr(torch, profile["kv_dtype"])
     gate = None
     if readiness is not None:
+        from runtime.models.embedding_rows import EmbeddingRows
         from runtime.models.layer_gate import LayerGate
 
         names = [e.name for e in template.manifest.tensors]
-        gate = LayerGate(readiness, names, config.num_layers, on_load_failed)
+        rows = EmbeddingRows.of(template.manifest)
+        tied = config.tie_word_embeddings
+        gate = LayerGate(readiness, names, config.num_layers, on_load_failed, rows, tied)
     engine = build_engine(
         LlamaModel(config, tensors, gate=gate),
         template.tokenizer,

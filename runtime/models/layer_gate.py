@@ -12,7 +12,12 @@ is set and the model drops the gate: a warm forward pays nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.models.embedding_rows import EmbeddingRows
 
 LAYER_PREFIX = "model.layers."
 
@@ -22,6 +27,7 @@ class TensorReadiness(Protocol):
 
     @property
     def done(self) -> bool: ...
+    def ready(self, index: int) -> bool: ...
 
     def wait(self, index: int, timeout: float | None = None) -> None: ...
 
@@ -44,25 +50,49 @@ class LayerGate:
         names: Sequence[str],
         num_layers: int,
         on_failed: Callable[[], None] | None = None,
+        embedding: EmbeddingRows | None = None,
+        tied: bool = False,
     ) -> None:
         """``names``: the manifest's tensor names, in the order ``readiness`` indexes them;
         ``on_failed``: called once when the load fails (the weights will never be in: the
-        instance must be replaced, not go on failing every request)."""
+        instance must be replaced, not go on failing every request); ``embedding``: the
+        embedding table's rows in its store file (:meth:`embed`); ``tied``: the LM head is the
+        embedding table, so the last stage needs it too."""
         self.readiness = readiness
         self.num_layers = num_layers
         self.on_failed = on_failed
         self.failed = False
+        self.embedding = embedding
         # The last manifest index each stage needs (-1: nothing): waiting for it waits for the
         # stage's every tensor, since groups come in manifest order.
         self.needs = [-1] * (num_layers + 2)
         for i, name in enumerate(names):
             stage = stage_of(name, num_layers)
             self.needs[stage] = max(self.needs[stage], i)
+        if tied:
+            self.needs[-1] = max(self.needs[-1], self.needs[0])
+        self.rows_read = 0  # embedding rows read from the store file instead of waiting
         self.waited_s = 0.0  # time the forward spent waiting for bytes
 
     @property
     def done(self) -> bool:
         return self.readiness.done
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """``ids``' embedding rows (N, E) read from the store file while the table is still
+        loading (:mod:`runtime.models.embedding_rows`); None once it is in, or when its rows
+        cannot be read that way: then :meth:`wait` for stage 0 and look them up."""
+        embedding = self.embedding
+        if embedding is None or self.readiness.done:
+            return None
+        try:
+            if self.readiness.ready(self.needs[0]):
+                return None
+            rows = embedding.rows(ids)
+        except Exception:  # a failed load, an unreadable file, a bad id: wait(0) and the lookup say so
+            return None
+        self.rows_read += int(rows.shape[0])
+        return rows
 
     def wait(self, stage: int, timeout: float | None = None) -> None:
         """Block until stage ``stage``'s tensors are in (LoadError if their load failed)."""

@@ -235,9 +235,14 @@ class LlamaModel:
         ):
             return self.cpu_kernels.step(kv_blocks)(batch)
         proj = plain if batch.lora is None else batch.lora.project  # (layer, module, x, w, bias)
-        if gate is not None:
-            gate.wait(0)
-        x = F.embedding(batch.input_ids, self.embed)  # (N, E)
+        # While the table loads, the prompt's rows come from the store file (runtime.models.embedding_rows).
+        x = None if gate is None else gate.embed(batch.input_ids)  # (N, E)
+        if x is None:
+            if gate is not None:
+                gate.wait(0)
+            x = F.embedding(batch.input_ids, self.embed)  # (N, E)
+        else:
+            x = x.to(self.embed.device)
         cos, sin = self._rope(batch.positions)  # (N, 1, D)
         block_size = kv_blocks.shape[3]
         block_idx, block_off = batch.slots // block_size, batch.slots % block_size

@@ -129,9 +129,13 @@ class KernelStep:
         cos, sin, scale = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5
         flags, flags_acc = w.flags, w.flags | ops.ACCUMULATE
         gate = self.model.gate  # weights still loading (runtime.models.layer_gate): wait per layer
-        if gate is not None:
-            gate.wait(0)
-        k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
+        prompt_rows = None if gate is None else gate.embed(ids)  # (N, E) from the store file while it loads
+        if prompt_rows is None:
+            if gate is not None:
+                gate.wait(0)
+            k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
+        else:
+            self.x[:n].copy_(prompt_rows)  # float32 rows, as the kernel writes them
         for i, ((in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv) in enumerate(
             zip(w.layers, self.kv, strict=True)
         ):

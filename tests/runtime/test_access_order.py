@@ -1,4 +1,5 @@
-"""The weight access order traced at registration (TIDAL): the forward's own order."""
+"""The weight access order traced at registration (TIDAL): the forward's own order, but a plain
+embedding table last (a progressive start reads its prompt's rows from the store file)."""
 
 from __future__ import annotations
 
@@ -40,15 +41,13 @@ def _config(layers: int) -> dict[str, object]:
 
 
 def _forward_order(layers: int) -> list[str]:
-    names = ["model.embed_tokens.weight"]
+    names = []
     for i in range(layers):
         names += [f"model.layers.{i}.{n}" for n in LAYER_ORDER]
-    return [*names, "model.norm.weight", "lm_head.weight"]
+    return [*names, "model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"]
 
 
-def test_recorded_order_is_the_forward_order_whatever_the_table_order() -> None:
-    layers = 12  # layer 10 sorts before layer 2 by name: the trace must not follow names
-    g = torch.Generator().manual_seed(0)
+def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,), "lm_head.weight": (64, 32)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -57,6 +56,13 @@ def test_recorded_order_is_the_forward_order_whatever_the_table_order() -> None:
         shapes |= {p + "self_attn.k_proj.weight": (16, 32), p + "self_attn.v_proj.weight": (16, 32)}
         shapes |= {p + "mlp.gate_proj.weight": (64, 32), p + "mlp.up_proj.weight": (64, 32)}
         shapes |= {p + "mlp.down_proj.weight": (32, 64)}
+    return shapes
+
+
+def test_recorded_order_is_the_forward_order_whatever_the_table_order() -> None:
+    layers = 12  # layer 10 sorts before layer 2 by name: the trace must not follow names
+    g = torch.Generator().manual_seed(0)
+    shapes = _shapes(layers)
     names = sorted(shapes)
     random.Random(1).shuffle(names)
     table = {n: torch.randn(shapes[n], generator=g) for n in names}
@@ -86,7 +92,21 @@ def test_quantized_planes_follow_their_weight() -> None:
     for name in LAYER_ORDER[1:]:
         if "proj" in name:
             assert order.index(p + name + ".scales") == order.index(p + name) + 1, name
-    assert order[0] == "model.embed_tokens.weight" and order[-1] == "lm_head.weight"
+    assert order[-2:] == ["lm_head.weight", "model.embed_tokens.weight"]
+
+
+def test_a_quantized_embedding_table_stays_where_the_forward_reads_it() -> None:
+    """Its rows cannot be read from the file as they are (runtime.models.embedding_rows):
+    moved last, the first prefill would wait for the whole model."""
+    from runtime import quant
+
+    g = torch.Generator().manual_seed(0)
+    table = {name: torch.randn(shape, generator=g) for name, shape in _shapes(1).items()}
+    embed = table.pop("model.embed_tokens.weight")
+    for suffix, plane in quant.quantize(embed, "int8").items():
+        table["model.embed_tokens.weight" + suffix] = plane.contiguous()
+    order = trace_access_order(_config(1), table)
+    assert order[0] == "model.embed_tokens.weight" and sorted(order) == sorted(table)
 
 
 def test_ordered_needs_every_name_once() -> None:
@@ -102,7 +122,7 @@ def test_registration_stores_the_traced_order(tmp_path: Path) -> None:
     manifest = model.manifest()
     names = [e.name for e in manifest.tensors]
     expected = _forward_order(11)
-    if "lm_head.weight" not in weights:  # tied: the head is the embedding, read first
+    if "lm_head.weight" not in weights:  # tied: the head is the embedding
         expected.remove("lm_head.weight")
     assert names == expected
     offsets = [e.offset for e in manifest.tensors]
