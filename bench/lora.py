@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 first = bind(template, one, 16, adapters=templates("ab"))
                 second = bind(template, two, 16, adapters=templates("c"))
                 stats = one.stats()
-                align = 256  # gpu_pool.planner.regions.DEFAULT_ALIGNMENT
+                align = one.alignment  # the pool's placement alignment
                 sizes = {
                     "base": _aligned(template.manifest, align),
                     **{n: _aligned(a.manifest(), align) for n, a in adapters.items()},

@@ -40,8 +40,9 @@ def plot_mesh(data: dict[str, Any], out: Path) -> list[Path]:
 
 
 def plot_overlap(data: dict[str, Any], out: Path) -> list[Path]:
-    """Cold-start TTFT of an evicted model, overlapped vs load-then-compute, with Eq. 1's bounds."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    """Left: cold-start TTFT of an evicted model at the acceptance prompt length, overlapped vs
+    load-then-compute, with Eq. 1's bound. Right: the ratio over the prompt-length sweep."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = ["load alone", "prefill alone", "load, then\ncompute", "overlapped\n(TIDAL)"]
     values = [
         data["load_s_p50"],
@@ -49,19 +50,29 @@ def plot_overlap(data: dict[str, Any], out: Path) -> list[Path]:
         data["ttft_sequential_s_p50"],
         data["ttft_overlapped_s_p50"],
     ]
-    ax.bar(range(4), values, color=["#7f7f7f", "#7f7f7f", "#1f77b4", "#d62728"])
-    ax.axhline(
-        data["eq1_overlapped_s"],
-        color="black",
-        linestyle=":",
-        linewidth=0.8,
-        label="Eq. 1: max(load, prefill)",
-    )
-    ax.set_xticks(range(4), labels, fontsize=8)
-    ax.set_ylabel("seconds (p50)")
+    left.bar(range(4), values, color=["#7f7f7f", "#7f7f7f", "#1f77b4", "#d62728"])
+    eq1 = "Eq. 1: max(load, prefill)"
+    left.axhline(data["eq1_overlapped_s"], color="black", linestyle=":", linewidth=0.8, label=eq1)
+    left.set_xticks(range(4), labels, fontsize=8)
+    left.set_ylabel("seconds (p50)")
     gib = data["model_bytes"] / (1 << 30)
-    ax.set_title(f"{gib:.2f} GiB model, page cache {data['page_cache']}: ratio {data['ttft_ratio']:.2f}")
-    ax.legend(fontsize=8)
+    tokens = data["acceptance_prompt_tokens"]
+    left.set_title(f"{gib:.2f} GiB model, {tokens}-token prompt: ratio {data['ttft_ratio']:.2f}", fontsize=9)
+    left.legend(fontsize=8)
+    sweep = data["sweep"]
+    lengths = [r["prompt_tokens"] for r in sweep]
+    right.plot(lengths, [r["ttft_ratio"] for r in sweep], "o-", color="#d62728", label="measured")
+    eq1_ratios = [r["eq1_ratio"] for r in sweep]
+    right.plot(lengths, eq1_ratios, "s:", color="black", label="Eq. 1 from load, prefill")
+    right.axhline(data["target_ratio"], color="#7f7f7f", linestyle="--", linewidth=0.8, label="target")
+    right.set_xscale("log", base=2)
+    right.set_xticks(lengths, [str(n) for n in lengths])
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("TTFT overlapped / load-then-compute")
+    right.set_ylim(0, 1.1)
+    direct = "on" if data.get("direct_reads") else "off"
+    right.set_title(f"page cache {data['page_cache']}, direct reads {direct}", fontsize=9)
+    right.legend(fontsize=8)
     return [save(fig, out / "tidal_overlap.png")]
 
 

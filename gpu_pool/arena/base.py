@@ -34,6 +34,13 @@ class BaseArena(ABC):
     capacity: int
     # Store bytes loaded by direct I/O so far (gpu_pool.arena.direct_read; CPU arenas only).
     bytes_read_direct: int = 0
+
+    @property
+    def populated(self) -> bool:
+        """Whether every page of the arena is backed (a CPU arena pre-faults in the background
+        after the daemon serves: until then loads and that thread compete for the cores)."""
+        return True
+
     # Nominal in-arena copy bandwidth (bytes/s): what the planner prices a move at. Host
     # memcpy here measures ~10 GB/s; a GPU backend overrides it (HBM copies are ~100x that).
     move_bandwidth: float = 10e9

@@ -101,6 +101,10 @@ class CpuArena(BaseArena):
         finally:
             self.prefaulted.set()
 
+    @property
+    def populated(self) -> bool:
+        return self.prefaulted.is_set()
+
     def handle(self) -> dict[str, Any]:
         return {"kind": "memfd", "arena_id": self.arena_id, "size": self.capacity}
 

@@ -485,6 +485,7 @@ class ReuseStore:
             "num_kv_blocks": len(self.kv_blocks),
             "bytes_loaded": loaded,
             "bytes_read_direct": self.arena.bytes_read_direct,
+            "arena_populated": self.arena.populated,
             "bytes_reused": self.counters["bytes_reused"],
             "bytes_moved": self.counters["bytes_moved"],
             "bytes_evicted": self.counters["bytes_evicted"],

@@ -241,6 +241,7 @@ def test_many_concurrent_sessions(pool_process: PoolProcess, store_root: Path) -
         s = c.stats()
         assert s["pinned_bytes"] == 0 and s["kv_bytes"] == 0 and s["sessions"] == 1
         assert s["bytes_loaded"] == sum(m.nbytes for m in manifests)
+        assert isinstance(s["arena_populated"], bool) and 0 <= s["bytes_read_direct"] <= s["bytes_loaded"]
 
 
 def test_sigterm_removes_socket_and_leaves_no_arena_file(tmp_path: Path) -> None:

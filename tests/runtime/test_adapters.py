@@ -10,7 +10,7 @@ import pytest
 
 from bench.lora_files import write_adapter
 from gpu_pool.client import PoolClient
-from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, align_up
+from gpu_pool.planner.regions import align_up
 from runtime.adapters import RegisteredAdapter, register_adapter
 from runtime.engine.sampling import SamplingParams
 from runtime.errors import RegistrationError, UnknownSourceError
@@ -53,8 +53,9 @@ def pool(tiny: RegisteredModel, tmp_path: Path) -> Iterator[PoolProcess]:
         p.stop()
 
 
-def aligned(manifest: object) -> int:
-    return sum(align_up(t.nbytes, DEFAULT_ALIGNMENT) for t in manifest.tensors)  # type: ignore[attr-defined]
+def aligned(manifest: object, alignment: int) -> int:
+    """Bytes the pool holds for ``manifest``'s tensors, placed at ``alignment`` (the pool's)."""
+    return sum(align_up(t.nbytes, alignment) for t in manifest.tensors)  # type: ignore[attr-defined]
 
 
 def test_registration_is_idempotent_and_every_tensor_dynamic(
@@ -144,7 +145,7 @@ def test_two_functions_on_one_base_hold_it_once_plus_each_adapter(
         first = bind(template, one, 64, adapters=(a,))
         second = bind(template, two, 64, adapters=(b,))
         stats = one.stats()
-        base, fr, pirate = aligned(template.manifest), aligned(a.manifest), aligned(b.manifest)
+        base, fr, pirate = (aligned(m, one.alignment) for m in (template.manifest, a.manifest, b.manifest))
         assert stats["resident_bytes"] == base + fr + pirate
         assert stats["models"][tiny.model_id]["resident_bytes"] == template.manifest.nbytes
         assert stats["bytes_loaded"] == template.manifest.nbytes + a.manifest.nbytes + b.manifest.nbytes
@@ -178,8 +179,10 @@ def test_a_standby_style_rebind_acquires_adapters_again(
     with PoolClient(pool.socket_path) as client:
         binding = bind(template, client, 64, adapters=load_adapters(pair))
         client.release()
-        assert client.stats()["resident_bytes"] == aligned(template.manifest)
+        assert client.stats()["resident_bytes"] == aligned(template.manifest, client.alignment)
         binding.attach_adapters(client, load_adapters(pair))
-        both = aligned(template.manifest) + aligned(adapters[0].manifest())
+        both = aligned(template.manifest, client.alignment) + aligned(
+            adapters[0].manifest(), client.alignment
+        )
         assert client.stats()["resident_bytes"] == both
         binding.engine.close()
