@@ -7,7 +7,8 @@ behind it. So registration puts a plain floating-point table last in the access 
 (:mod:`runtime.access_order`), and a progressive start reads the rows its prompt needs straight
 from the store file (the very bytes the pool is loading: an entry never changes once written),
 while layer 0 already loads. The table is first needed whole by a tied LM head at the end of the
-prefill, or by the next forward (:mod:`runtime.models.layer_gate` waits for it there).
+prefill (:mod:`runtime.models.layer_gate` waits for it there); an untied model's later forwards
+(decode steps) read their rows from the file too until the table is in.
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ class EmbeddingRows:
         return cls(entry.file, entry.offset, (rows, width), PLAIN[entry.dtype])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """``F.embedding(ids, table)`` from the file: (N,) token ids -> (N, E). IndexError for
-        an id outside the table, as ``F.embedding`` raises; OSError when the file is short."""
-        ids = ids.reshape(-1).to(torch.int64)
+        """``F.embedding(ids, table)`` from the file: (N,) token ids on any device -> (N, E) on
+        the CPU. IndexError for an id outside the table, as ``F.embedding`` raises; OSError when
+        the file is short."""
+        # The rows are gathered on the host: CUDA ids would index the host rows from the device,
+        # which torch refuses.
+        ids = ids.reshape(-1).to("cpu", torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
             raise IndexError(f"token id out of range [0, {self.num_rows})")
         unique, inverse = torch.unique(ids, return_inverse=True)

@@ -210,6 +210,7 @@ class LlamaModel:
         :meth:`lm_logits` (a long prompt's logits at once would take R x vocab floats)."""
         cfg = self.config
         device = self.embed.device
+        host_ids = batch.input_ids  # rows read from the store file are gathered by host ids
         if batch.input_ids.device != device:  # batches are built on the host
             batch = Batch(
                 batch.input_ids.to(device),
@@ -236,7 +237,7 @@ class LlamaModel:
             return self.cpu_kernels.step(kv_blocks)(batch)
         proj = plain if batch.lora is None else batch.lora.project  # (layer, module, x, w, bias)
         # While the table loads, the prompt's rows come from the store file (runtime.models.embedding_rows).
-        x = None if gate is None else gate.embed(batch.input_ids)  # (N, E)
+        x = None if gate is None else gate.embed(host_ids)  # (N, E)
         if x is None:
             if gate is not None:
                 gate.wait(0)
