@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from gpu_pool.errors import LoadError
+
 if TYPE_CHECKING:
     import torch
 
@@ -72,6 +74,7 @@ class LayerGate:
         if tied:
             self.needs[-1] = max(self.needs[-1], self.needs[0])
         self.rows_read = 0  # embedding rows read from the store file instead of waiting
+        self.rows_fallbacks = 0  # forwards that waited for the table instead (see embed)
         self.waited_s = 0.0  # time the forward spent waiting for bytes
 
     @property
@@ -89,7 +92,8 @@ class LayerGate:
             if self.readiness.ready(self.needs[0]):
                 return None
             rows = embedding.rows(ids)
-        except Exception:  # a failed load, an unreadable file, a bad id: wait(0) and the lookup say so
+        except (LoadError, OSError, IndexError):  # a failed load, an unreadable file, a bad id:
+            self.rows_fallbacks += 1  # wait(0) and the lookup say so
             return None
         self.rows_read += int(rows.shape[0])
         return rows

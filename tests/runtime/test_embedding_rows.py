@@ -49,3 +49,27 @@ def test_a_short_store_file_is_an_os_error(tmp_path: Path) -> None:
     assert torch.equal(rows.rows(torch.tensor([9])), torch.zeros(1, 32))
     with pytest.raises(OSError, match="ends before"):
         rows.rows(torch.tensor([40]))
+
+
+def test_an_unreadable_store_file_falls_back_to_waiting_for_the_table(tmp_path: Path) -> None:
+    """A worker that cannot read the entry (moved, or outside what its sandbox allows) loses
+    only the head start: the gate says None and counts it, the forward waits for stage 0."""
+    import os
+
+    from gpu_pool.readiness import Readiness
+    from runtime.models.layer_gate import LayerGate
+
+    manifest = store.write(tmp_path / "m", {"model.norm.weight": torch.ones(4), EMBED: torch.zeros(8, 4)})
+    rows = EmbeddingRows.of(manifest)
+    assert rows is not None
+    os.unlink(rows.file)
+    read_fd, write_fd = os.pipe()
+    names = [e.name for e in manifest.tensors]
+    readiness = Readiness(read_fd, [1, 2])
+    gate = LayerGate(readiness, names, 0, embedding=rows)
+    try:
+        assert gate.embed(torch.tensor([1, 2])) is None
+        assert gate.rows_fallbacks == 1 and gate.rows_read == 0
+    finally:
+        os.close(write_fd)
+        readiness.close()
