@@ -63,7 +63,7 @@ def _page_cache(files: list[str], state: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default="random-1b-int8")
-    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--prompt-tokens", default="16,32,64,128", help="comma-separated lengths")
     parser.add_argument("--acceptance-tokens", type=int, default=ACCEPTANCE_TOKENS)
     parser.add_argument("--page-cache", choices=("warm", "cold"), default="cold")
@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         "--home",
         type=Path,
         default=None,
-        help="register the zoo model's source again under this EMBER_HOME (this code's traced "
-        "access order and file layout) instead of using the zoo's registration",
+        help="EMBER_HOME to register the zoo model's source under (kept, so a later run reuses "
+        "it); default: a temporary one. Either way the entry has this code's traced access order "
+        "and file layout (the zoo's own registration may predate them)",
     )
     parser.add_argument(
         "--direct-reads",
@@ -94,19 +95,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--acceptance-tokens {args.acceptance_tokens} is not among --prompt-tokens")
     if args.load_threads < 1:
         parser.error("--load-threads must be >= 1")
-    sweep = [
-        run(
-            args.model,
-            args.reps,
-            tokens,
-            args.page_cache,
-            args.arena,
-            args.load_threads,
-            args.home,
-            args.direct_reads == "on",
-        )
-        for tokens in lengths
-    ]
+    with tempfile.TemporaryDirectory(prefix="ember-overlap-home-") as scratch:
+        home = args.home if args.home is not None else Path(scratch)
+        sweep = [
+            run(
+                args.model,
+                args.reps,
+                tokens,
+                args.page_cache,
+                args.arena,
+                args.load_threads,
+                home,
+                args.direct_reads == "on",
+            )
+            for tokens in lengths
+        ]
     emit(summary(sweep, args.acceptance_tokens), args.out)
 
 
