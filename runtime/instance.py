@@ -419,7 +419,8 @@ def bind_at(
     waits per layer, :mod:`runtime.models.layer_gate`)."""
     import torch
 
-    from runtime.engine.build import PoolKV, build_engine, pool_block_bytes
+    from runtime.engine.build import PoolKV, build_engine
+    from runtime.engine.kv_storage import pool_block_bytes
     from runtime.models.llama import LlamaConfig, LlamaModel
 
     timings = {} if timings is None else timings

@@ -27,8 +27,9 @@ class PoolKV:
     """KV blocks from the pool on demand, in the session's KV memory (``client.kv_arena()``).
 
     ``client`` is a connected :class:`gpu_pool.client.PoolClient`; ``block_bytes`` is one
-    block's size, which the engine rounds up to the pool's alignment (:func:`pool_block_bytes`),
-    so a block's pool offset divided by it is its block number."""
+    block's size, which the engine rounds up to the pool's alignment
+    (:func:`runtime.engine.kv_storage.pool_block_bytes`), so a block's pool offset divided by it
+    is its block number."""
 
     client: Any
     block_bytes: int
@@ -55,13 +56,6 @@ class PrivateKV:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
-def pool_block_bytes(block_bytes: int, alignment: int) -> int:
-    """A KV block's size in a pool that places at ``alignment`` bytes (``PoolClient.alignment``):
-    the pool rounds every block up to it (512 bytes on CPU pools, for direct reads; a model's
-    profile rounds to 256), and an aligned block's number is its offset divided by that size."""
-    return -(-block_bytes // alignment) * alignment
-
-
 def build_engine(
     model: LlamaModel,
     tokenizer: Tokenizer,
@@ -73,7 +67,7 @@ def build_engine(
     """An :class:`Engine` over ``model`` (whose weights the caller bound) with KV from ``kv``.
 
     Blocks hold ``config.block_size`` tokens of every layer's K and V in ``kv_dtype``."""
-    from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, private_kv
+    from runtime.engine.kv_storage import PoolBlockSource, arena_kv_view, pool_block_bytes, private_kv
 
     if isinstance(kv, PoolKV):
         block_bytes = pool_block_bytes(kv.block_bytes, kv.client.alignment)

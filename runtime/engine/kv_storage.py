@@ -99,10 +99,16 @@ class PoolBlockSource(BaseBlockSource):
         return len(self._pool_ids)
 
 
+def pool_block_bytes(block_bytes: int, alignment: int) -> int:
+    """A KV block's size in a pool that places at ``alignment`` bytes (``PoolClient.alignment``):
+    the pool rounds every block up to it (512 bytes on CPU pools, for direct reads; a model's
+    profile rounds to 256), and an aligned block's number is its offset divided by that size."""
+    return -(-block_bytes // alignment) * alignment
+
+
 def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype, alignment: int = 256) -> int:
     """Bytes of one block rounded up to the pool's alignment."""
-    raw = config.kv_block_bytes(block_size, dtype)
-    return -(-raw // alignment) * alignment
+    return pool_block_bytes(config.kv_block_bytes(block_size, dtype), alignment)
 
 
 def arena_kv_view(

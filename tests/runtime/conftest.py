@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from runtime.sources import ROOTS_ENV
 
@@ -18,3 +19,11 @@ def model_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ROOTS_ENV, root)
         yield root
+
+
+@pytest.fixture
+def torch_cuda() -> torch.device:
+    """A CUDA device for torch-only code (the model's torch path needs no CuPy)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no usable CUDA device (CPU build, or no device visible)")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -196,14 +196,6 @@ def cuda() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@pytest.fixture
-def torch_cuda() -> torch.device:
-    """A CUDA device for torch-only code (the model's torch path needs no CuPy)."""
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no usable CUDA device (CPU build, or no device visible)")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_write_kv_matches_torch_indexing(cuda: torch.device, dtype: torch.dtype) -> None:

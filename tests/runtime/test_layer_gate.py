@@ -70,48 +70,6 @@ def test_forward_waits_for_each_layer_before_reading_it(kernels: str | None) -> 
     assert model.gate is None  # all in: the next forward checks nothing
 
 
-@pytest.mark.parametrize("kernels", ["off", None])  # the torch path; the CPU kernels where built
-def test_the_prompts_rows_come_from_the_store_file_while_the_table_loads_last(
-    tmp_path: Path, kernels: str | None
-) -> None:
-    """Access order v2: the embedding table loads last. The forward reads the prompt's rows from
-    the store file and runs every layer before the table is in; a tied head waits for it."""
-    from gpu_pool import store
-    from runtime.models.embedding_rows import EMBED, EmbeddingRows
-
-    cfg, weights, batch, kv = _model_inputs()
-    expected = LlamaModel(cfg, weights, cpu_kernels=kernels).forward(batch, kv.clone())
-    names = [n for n in weights if n != EMBED] + [EMBED]
-    manifest = store.write(tmp_path / "entry", {n: weights[n] for n in names})
-    rows = EmbeddingRows.of(manifest)
-    assert rows is not None
-    ends = stage_groups(names, LAYERS, 4096)
-    assert ends is not None and len(ends) == LAYERS + 2  # each layer, norm (+ head), the table
-    live = {k: torch.full_like(v, float("nan")) for k, v in weights.items()}
-    read_fd, write_fd = os.pipe()
-    readiness = Readiness(read_fd, ends, "tiny")
-    gate = LayerGate(readiness, names, LAYERS, embedding=rows, tied=cfg.tie_word_embeddings)
-    model = LlamaModel(cfg, live, cpu_kernels=kernels, gate=gate)
-
-    def loader() -> None:
-        start = 0
-        for i, end in enumerate(ends):
-            if i == len(ends) - 1:
-                time.sleep(0.05)  # every layer is in, the table is not: the forward is past them
-            for name in names[start:end]:
-                live[name].copy_(weights[name])
-            os.write(write_fd, READY)
-            start = end
-        os.close(write_fd)
-
-    thread = threading.Thread(target=loader)
-    thread.start()
-    got = model.forward(batch, kv.clone())
-    thread.join()
-    assert torch.equal(got, expected)
-    assert gate.rows_read == batch.input_ids.numel()  # the rows came from the file, not the table
-
-
 class _TableLast:
     """A model over NaN weights in access order v2 (the embedding table last) that the test
     loads group by group (:meth:`release`), as the daemon would, with its gate."""
@@ -205,13 +163,6 @@ def test_later_forwards_read_their_rows_while_an_untied_table_loads(
     assert load.gate.rows_read == 15 and load.readiness.done  # in: the table's own rows
     load.model.forward(step, kv.clone())
     assert load.model.gate is None
-
-
-@pytest.fixture
-def torch_cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no usable CUDA device (CPU build, or no device visible)")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.mark.gpu

@@ -73,6 +73,14 @@ async def silent_worker(tmp_path: Path) -> tuple[WorkerHandle, socket.socket, mm
     return worker, ours, page
 
 
+async def end(worker: WorkerHandle, agent: NodeAgent) -> None:
+    """Whatever the test saw: the worker gone, its lines closed, the agent closed."""
+    worker.kill()
+    await worker.proc.wait()
+    worker.close_lines()
+    await agent.close()
+
+
 def assign_message(instance_id: str) -> AssignMessage:
     document = spec("f", {"source": "/m/tiny.gguf"})
     return AssignMessage(instance_id, document, "/models/m", "/run/pool.sock", "ticket", time.time() + 60)
@@ -94,10 +102,7 @@ def test_an_assign_cancelled_while_the_worker_takes_it_ends_the_worker_and_its_l
             assert worker.proc.returncode is not None
             assert ours.fileno() == -1 and page.closed
         finally:
-            worker.kill()
-            await worker.proc.wait()
-            worker.close_lines()
-            await agent.close()
+            await end(worker, agent)
 
     asyncio.run(scenario())
 
@@ -118,9 +123,6 @@ def test_an_assigned_worker_that_cannot_become_the_instance_is_ended(tmp_path: P
             assert worker.proc.returncode is not None
             assert ours.fileno() == -1 and page.closed
         finally:
-            worker.kill()
-            await worker.proc.wait()
-            worker.close_lines()
-            await agent.close()
+            await end(worker, agent)
 
     asyncio.run(scenario())
