@@ -252,6 +252,10 @@ def load_yaml(text: str, max_depth: int = MAX_YAML_DEPTH, max_nodes: int = MAX_Y
                 depth -= 1
         document = yaml.load(text, Loader=loader)  # CSafeLoader or SafeLoader: safe
     except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(exc):
+            # libyaml >= 0.2.5's own bound (1000 levels) can fire before the parser hands our
+            # loop the 33rd start event (it scans ahead): the same error, in one wording.
+            raise SpecError(f"malformed YAML: nested deeper than {max_depth} levels") from None
         raise SpecError(f"malformed YAML: {exc}") from None
     _check_nodes(document, max_nodes)
     return document
