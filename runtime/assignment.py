@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime.errors import EmberRuntimeError
 from runtime.instance import ModelBinding, ModelTemplate, bind, bind_at, load_adapters
+from runtime.intra_op import set_engine_threads
 from runtime.messages import AssignMessage, AssignReply, StandbyMessage, StandbyReply
 from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
@@ -129,9 +130,7 @@ def _session(state: Workspace, socket_path: str, ticket: str | None) -> Any:
 
 def _threads(num_threads: int | None) -> None:
     if num_threads is not None:
-        import torch
-
-        torch.set_num_threads(num_threads)  # on the event loop's thread, which steps the engine
+        set_engine_threads(num_threads)  # on the event loop's thread, which steps the engine
 
 
 def _import_handler(ref: str) -> LoadedHandler | None:

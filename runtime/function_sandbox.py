@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from runtime.intra_op import serial_thread
 from runtime.sandbox import FunctionLayer, SandboxError, SandboxReport
 
 _POOL_PREFIX = "ember-worker"
@@ -44,6 +45,11 @@ def function_id(spec: dict[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace", "default")), str(meta["name"])
 
 
+def _pool() -> ThreadPoolExecutor:
+    # Its threads run torch inline: a team of theirs would slow the engine's (runtime.intra_op).
+    return ThreadPoolExecutor(thread_name_prefix=_POOL_PREFIX, initializer=serial_thread)
+
+
 class FunctionSandbox:
     """One worker's second layer and the thread pool that runs its sync code (see module docstring).
 
@@ -53,7 +59,7 @@ class FunctionSandbox:
 
     def __init__(self, layer: FunctionLayer | None) -> None:
         self.layer = layer
-        self.executor = ThreadPoolExecutor(thread_name_prefix=_POOL_PREFIX)
+        self.executor = _pool()
         self.confined_to: tuple[str, str] | None = None
         self.report: SandboxReport | None = None
         self._complete = False
@@ -89,7 +95,7 @@ class FunctionSandbox:
         self.report = layer.restrict(own)  # no await before this: no thread starts meanwhile
         if not self.report.applied:
             return
-        old, self.executor = self.executor, ThreadPoolExecutor(thread_name_prefix=_POOL_PREFIX)
+        old, self.executor = self.executor, _pool()
         asyncio.get_running_loop().set_default_executor(self.executor)
         await asyncio.to_thread(old.shutdown, True)  # on a new (confined) thread: joins the old ones
         if not self.report.all_threads:

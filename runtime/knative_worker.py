@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse
 from runtime.assignment import assign
 from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.heartbeat import Heartbeat
+from runtime.intra_op import claim_engine_thread
 from runtime.messages import AssignMessage
 from runtime.worker import WorkerState, build_app
 from runtime.worker_guard import GuardConfig, WorkerGuard
@@ -217,6 +218,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    claim_engine_thread()  # before any pool thread starts (runtime.intra_op)
     state = WorkerState()
     lifecycle = Lifecycle()
     heartbeat = Heartbeat(reporter.refresh, config.refresh_s)

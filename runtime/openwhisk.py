@@ -58,6 +58,7 @@ from runtime.assignment import assign
 from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
 from runtime.errors import EmberRuntimeError
+from runtime.intra_op import claim_engine_thread
 from runtime.messages import AssignMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import completion_body
@@ -374,6 +375,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    claim_engine_thread()  # before any pool thread starts (runtime.intra_op)
     action = ActionState()
     app = BodyLimit(build_openwhisk_app(action, prepare), max_body_bytes)
     sock = listen(host, port)

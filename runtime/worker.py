@@ -45,6 +45,7 @@ from runtime.errors import EmberRuntimeError, error_body
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelTemplate, load_template, warm_up
+from runtime.intra_op import claim_engine_thread, set_engine_threads
 from runtime.messages import AssignMessage, MessageError, PreloadMessage, StandbyMessage, ThreadsMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
@@ -198,9 +199,7 @@ def build_app(state: WorkerState) -> FastAPI:
             message = ThreadsMessage.from_json(await raw.body())
         except MessageError as exc:
             return _error(400, "invalid_request_error", str(exc))
-        torch.set_num_threads(
-            message.num_threads
-        )  # this (event-loop) thread is the one that steps the engine
+        set_engine_threads(message.num_threads)  # this (event-loop) thread steps the engine
         return {"num_threads": torch.get_num_threads()}
 
     @app.post("/_ember/assign")
@@ -390,6 +389,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    claim_engine_thread()  # before any pool thread starts (runtime.intra_op)
     state = WorkerState(sandbox=FunctionSandbox(function_layer))
     if mesh_fd is not None:
         state.mesh_sock = socket.socket(fileno=mesh_fd)
