@@ -31,8 +31,9 @@ class AgentConfig:
     # requests (shared cores and caches, even at SCHED_IDLE): replenish a little later.
     replenish_delay_s: float = 2.0
     # A worker pre-warms at SCHED_IDLE, which a steady load starves for good: the next cold
-    # start (or a crash's replacement) then finds no worker. Still starting after this long,
-    # it competes normally (seconds of shared cores, once, instead of an unbounded wait).
+    # start (or a crash's replacement) then finds no worker. Still starting after this long
+    # while no other is ready, it competes normally (seconds of shared cores, once, instead of
+    # an unbounded wait).
     prewarm_idle_limit_s: float = 5.0
     # Worker processes starting at once. A start is CPU-bound (imports): several started
     # together on a small node all finish late (four on 2 cores: ~13 s each), one at a time

@@ -12,8 +12,8 @@ Each worker gets its own credential over stdin and an environment stripped of se
 failing are retried with capped exponential backoff (shown in the device report:
 ``worker_failures``, ``backoff_s``, ``last_worker_error``); after two failures in a row a
 launch fails at once with the last error while the next try waits. A worker starts at
-``SCHED_IDLE`` and leaves it when a launch waits for it or after ``prewarm_idle_limit_s``
-(a steady load would starve it for good). Workers that mapped a
+``SCHED_IDLE`` and leaves it when a launch waits for it or, when no other worker is ready,
+after ``prewarm_idle_limit_s`` (a steady load would starve it for good). Workers that mapped a
 pool's arena before that pool died are *stale*: :meth:`~WarmPool.replace_stale` swaps them
 for fresh ones once the pool is back. At most ``parallel_starts`` processes start at once (the
 pool's own starts before a standby's spare): a launch waiting for a worker gets the first one
@@ -246,13 +246,22 @@ class WarmPool:
         return WorkerHandle(proc, url, log_path, token, mesh_sock=mesh, mesh_page=page)
 
     async def _age(self, pid: int) -> None:
-        """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config).
-        Repeated every period until it is ready: threads it starts later begin idle-class."""
-        await asyncio.sleep(self.config.prewarm_idle_limit_s)
-        log.info("pre-warmed worker %d still starting: it competes for the cores from now on", pid)
-        while pid in self._spawning:
-            boost(pid)
+        """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config)
+        while no other is ready: with one ready the next cold start does not need this one, and
+        boosted it would take seconds of the cores from the instances serving (a batch-1 stream
+        fell from ~120 to ~50 tok/s while one did). Checked every period until it is ready:
+        threads it starts later begin idle-class."""
+        boosted = False
+        while True:
             await asyncio.sleep(self.config.prewarm_idle_limit_s)
+            if pid not in self._spawning:
+                return
+            if self.any_ready():
+                continue
+            if not boosted:
+                log.info("pre-warmed worker %d still starting, none ready: it competes for the cores", pid)
+                boosted = True
+            boost(pid)
 
     # ----- taking ---------------------------------------------------------------------------------
 
