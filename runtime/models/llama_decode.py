@@ -190,7 +190,9 @@ class KernelPath:
         n = int(batch.input_ids.shape[0])
         return self.quantized or n == len(batch.query_lens) or n <= self.prefill_tokens
 
-    def step(self, kv_blocks: torch.Tensor) -> KernelStep:
+    def prepare(self, kv_blocks: torch.Tensor) -> KernelStep:
+        """The step over ``kv_blocks``, built on first use (weight descriptors, scratch, RoPE
+        table): an engine builds it with itself, so no request pays for it."""
         entry = self._steps.get(id(kv_blocks))
         if entry is None or entry[0]() is not kv_blocks:
             self._steps = {k: v for k, v in self._steps.items() if v[0]() is not None}
@@ -198,5 +200,9 @@ class KernelPath:
                 self._weights = KernelWeights(self.model)
             entry = (weakref.ref(kv_blocks), KernelStep(self.ext, self.model, self._weights, kv_blocks))
             self._steps[id(kv_blocks)] = entry
-        self.ext.set_isa(self.isa)
         return entry[1]
+
+    def step(self, kv_blocks: torch.Tensor) -> KernelStep:
+        step = self.prepare(kv_blocks)
+        self.ext.set_isa(self.isa)
+        return step

@@ -142,3 +142,24 @@ def test_a_kv_tensor_is_not_kept_alive_by_the_kernel_path() -> None:
     gc.collect()
     assert alive() is None  # an engine's arena view dies with the engine
     model.forward(make_batch([([5], 3, [2])]), torch.zeros(32, *config.kv_block_shape(BLOCK)))
+
+
+def test_an_engine_builds_its_kernel_step_before_its_first_request(
+    tiny_bf16: RegisteredModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The descriptors and scratch of the kernel path are made with the engine (a standby's
+    preparation), not by the first step: its first request finds the step already there."""
+    from runtime.models import llama_decode
+
+    built: list[object] = []
+    make = llama_decode.KernelStep.__init__
+
+    def counted(self: llama_decode.KernelStep, *args: Any) -> None:
+        built.append(self)
+        make(self, *args)
+
+    monkeypatch.setattr(llama_decode.KernelStep, "__init__", counted)
+    eng = engine(tiny_bf16, "auto", torch.bfloat16)
+    assert len(built) == 1
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(built) == 1
