@@ -19,7 +19,9 @@ from exec (the GGUF in the page cache: it was just served) and, for Ember, a res
 (scale from zero, weights still in the pool, after ``keepAlive: 1s`` expired and the pre-warmed
 workers were replenished) and ``ember serve`` process start to first token (a restart on the same
 ``EMBER_HOME``: model store and deployed function kept, pool empty), plus the very first token of
-a fresh ``EMBER_HOME`` (registration included). Ratios Ember / llama.cpp pair bfloat16 with BF16,
+a fresh ``EMBER_HOME`` (registration included), and the raw engine's decode on the same store
+(:mod:`bench.raw_engine`, after the server stopped) with ``serving_overhead_pct``, what the
+serving path adds to its per-token time. Ratios Ember / llama.cpp pair bfloat16 with BF16,
 int8 with Q8_0 and q4 with Q4_1. llama-perplexity of each GGUF on ``--ppl-text`` (default the
 first ``tests/runtime/data/*.txt``) is the reference for Ember's quantized perplexity.
 
@@ -37,6 +39,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -240,7 +244,24 @@ def run_ember(
             c.deploy(variant.dtype)
         first = stream_chat(c.target(), plan.ttft_max_tokens, t0=t0).first_s
         out["serve_start_to_first_token_s"] = round(first, 3)
+    raw = raw_engine(home, variant.dtype, plan, env["EMBER_ARENA"])
+    out["raw_engine"] = raw
+    # What the serving path (worker loop, SSE, gateway, client) adds to the engine's per-token time.
+    out["serving_overhead_pct"] = round((raw["decode_tok_s"] / out["decode_tok_s"] - 1) * 100, 1)
     return out
+
+
+def raw_engine(home: Path, dtype: str, plan: Plan, arena: str) -> dict[str, Any]:
+    """:mod:`bench.raw_engine` on ``home``'s store, in a process of its own, nothing else running."""
+    cmd = [sys.executable, "-m", "bench.raw_engine", "--home", str(home), "--source", SOURCE]
+    cmd += ["--dtype", dtype, "--tokens", str(plan.decode_tokens), "--runs", str(plan.decode_runs)]
+    done = subprocess.run(
+        [*cmd, "--arena", arena], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.raw_engine {dtype} failed: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 # ----- perplexity --------------------------------------------------------------------------------
