@@ -67,6 +67,8 @@ class AdapterTemplate:
 
 def load_adapters(adapters: tuple[tuple[str, str], ...]) -> tuple[AdapterTemplate, ...]:
     """The templates of ``(name, registered adapter directory)`` pairs."""
+    if not adapters:  # most functions: the import (~2 ms) would sit on every cold start
+        return ()
     from runtime.adapters import load_adapter
 
     out = []
