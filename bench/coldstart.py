@@ -55,6 +55,7 @@ import httpx
 
 from bench.baseline_transformers import measure
 from bench.openai_stream import http_client, pct, sse_chunks
+from bench.quiet import REPORT_AGE_S, quiet
 from gateway.spawn import ServeProcess
 from gpu_pool.client import PoolClient
 from runtime.server_timing import duration_ms
@@ -68,7 +69,6 @@ KEEP_ALIVE = "1s"
 REPLENISH_PAUSE_S = 0.5  # idle between warm-up requests, < KEEP_ALIVE
 ISOLATED_GAP_S = 0.3  # > the router's slot lease (0.25 s), < KEEP_ALIVE
 SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
-REPORT_AGE_S = 1.2  # device reports are re-published every second
 WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
 BREAKDOWN = {
     "gateway_to_first_byte": "gateway gets the request -> worker's first SSE byte (ember_ttft_seconds)",
@@ -198,10 +198,7 @@ class Bench:
     def quiet(self, prewarm: int) -> bool:
         """Whether ``prewarm`` pre-warmed workers are ready, none is starting and no standby is
         being prepared (a starting worker's imports take the cores a cold start's prefill needs)."""
-        devices = self.cluster()["devices"].values()
-        warm = max((int(d.get("warm_workers", 0)) for d in devices), default=0)
-        busy = ("starting_workers", "standby_preparing")  # worker starts, standbys being prepared
-        return warm >= prewarm and not any(int(d.get(k, 0)) for d in devices for k in busy)
+        return quiet(self.cluster()["devices"].values(), prewarm)
 
     def wait_scaled_to_zero(self, prewarm: int) -> None:
         """No instance left, the pre-warmed pool replenished, then a short quiet period (device

@@ -50,6 +50,7 @@ from typing import Any
 
 from bench import llama_peer
 from bench.openai_stream import Plan, Target, http_client, measure_server, stream_chat
+from bench.quiet import REPORT_AGE_S, quiet
 from gateway.spawn import ServeProcess
 from runtime.sources import resolve
 
@@ -180,10 +181,16 @@ class Cluster:
             time.sleep(0.05)
 
     def wait_scaled_to_zero(self, prewarm: int) -> None:
+        """No instance left, then the node quiet (:func:`bench.quiet.quiet`: a standby still
+        being prepared would take the cores from the cold start), checked again after the
+        device reports' age."""
         self.wait("the instance to expire", lambda: not self.instances())
-        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
-        time.sleep(SETTLE_S)
-        self.wait(f"{prewarm} pre-warmed workers", lambda: self.warm_workers() >= prewarm)
+        for pause in (0.0, max(SETTLE_S, REPORT_AGE_S)):
+            time.sleep(pause)
+            self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
+
+    def quiet(self, prewarm: int) -> bool:
+        return quiet(self.cluster()["devices"].values(), prewarm)
 
 
 @contextlib.contextmanager
