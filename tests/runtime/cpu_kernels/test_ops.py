@@ -126,6 +126,18 @@ def test_bf16_dot_products_of_bf16_activations(ext: ModuleType, m: int, k: int) 
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [576, 96, 83])
+def test_one_row_of_bf16_activations_sums_as_a_batch_row_does(ext: ModuleType, k: int) -> None:
+    # A decode step (one row) has its own bf16 tile on AVX-512; greedy decoding must not depend
+    # on whether a token ran alone or in a batch, so its sums are the batch path's, exactly.
+    g = torch.Generator().manual_seed(k)
+    w = Weight(torch.randn(45, k, generator=g).bfloat16())
+    x = torch.randn(5, k, generator=g).bfloat16().float()
+    batch = ops.linear(ext, x, [w], x_bf16=True, threads=2)
+    for i in range(x.shape[0]):
+        assert torch.equal(ops.linear(ext, x[i : i + 1], [w], x_bf16=True, threads=2), batch[i : i + 1])
+
+
 def test_rms_norm(ext: ModuleType) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(7, 96, generator=g)
