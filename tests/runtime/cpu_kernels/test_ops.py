@@ -207,14 +207,17 @@ def reference_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
-def test_paged_attention_reads_blocks_in_place(ext: ModuleType, dtype: torch.dtype, heads: int) -> None:
+@pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: scores hundreds apart, most weights underflow
+def test_paged_attention_reads_blocks_in_place(
+    ext: ModuleType, dtype: torch.dtype, heads: int, q_scale: float
+) -> None:
     g = torch.Generator().manual_seed(7)
     kv = paged_cache(dtype, g, pad=8)
     kv[0].fill_(float("nan"))  # block 0 is in no table: stale bytes must not leak
     tables = torch.tensor([[7, 3, 9, 1, 6], [2, 11, 5, 0, 0], [4, 0, 0, 0, 0]])  # out of order
     ctx = torch.tensor([17, 9, 1, 10])  # end mid-block; the last row reuses sequence 1
     rows = torch.tensor([0, 1, 2, 1])
-    q = torch.randn(4, heads, 64, generator=g)
+    q = torch.randn(4, heads, 64, generator=g) * q_scale
     got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
     for i in range(4):
         nb = -(-int(ctx[i]) // 4)
