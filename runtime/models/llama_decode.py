@@ -1,8 +1,9 @@
 """A Llama-family forward pass through the CPU kernels (``runtime._cpu_kernels``).
 
 Eager PyTorch spends more time dispatching a decode step's ~35 ops per layer than reading the
-weights; here every layer is nine calls into C with addresses prepared once per model and KV
-tensor, activations fp32 in scratch buffers that live as long as this object:
+weights; here every layer is nine kernels in C, all layers of a step one call
+(``decoder_layers``: 270 calls from Python cost ~0.3 ms a token), with addresses prepared once
+per model and KV tensor, activations fp32 in scratch buffers that live as long as this object:
 
     x    (N, E)            residual stream (rounded to the model dtype, as the torch path does)
     h    (N, E)            normed input of attention / MLP
@@ -85,6 +86,14 @@ class KernelStep:
         cfg = model.config
         self.ext, self.model, self.w = ext, model, weights
         self.kv = [KVLayout.of(kv_blocks, i) for i in range(cfg.num_layers)]
+        # The layers as decoder_layers reads them, (L, 7): norm, q|k|v, o, norm, gate|up, down, KV.
+        self.layers = torch.tensor(
+            [
+                [norm, qkv.data_ptr(), o.data_ptr(), norm2, mlp.data_ptr(), down.data_ptr(), kv.address]
+                for (norm, qkv, o, norm2, mlp, down), kv in zip(weights.layers, self.kv, strict=True)
+            ],
+            dtype=torch.int64,
+        )
         self.capacity = 0
         self._grow(16)
 
@@ -121,45 +130,34 @@ class KernelStep:
         threads = torch.get_num_threads()
         e, d, h, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         inter, eps, rnd = cfg.intermediate_size, cfg.rms_norm_eps, w.round
-        qkv_w = (h + 2 * hkv) * d
-        x, hb, qkv, attn, mlp = (t.data_ptr() for t in (self.x, self.h, self.qkv, self.attn, self.mlp))
-        k_ptr, v_ptr = qkv + h * d * 4, qkv + (h + hkv) * d * 4
-        ids_p, pos_p, slot_p = ids.data_ptr(), positions.data_ptr(), slots.data_ptr()
-        tab_p, width, rows_p, ctx_p = tables.data_ptr(), tables.shape[1], rows.data_ptr(), ctx.data_ptr()
-        cos, sin, scale = w.cos.data_ptr(), w.sin.data_ptr(), d**-0.5
-        flags, flags_acc = w.flags, w.flags | ops.ACCUMULATE
+        x, hb = self.x.data_ptr(), self.h.data_ptr()
+        kv = self.kv[0]  # dtype, block stride and size: one KV tensor, the same for every layer
+        step = (
+            n, e, h, hkv, d, inter, x, hb, self.qkv.data_ptr(), self.attn.data_ptr(), self.mlp.data_ptr(),
+            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], rows.data_ptr(),
+            ctx.data_ptr(), w.cos.data_ptr(), w.sin.data_ptr(), w.norm_code, kv.dtype, kv.block_stride,
+            kv.block_size, eps, d**-0.5, w.flags, rnd,
+        )  # fmt: skip
         gate = self.model.gate  # weights still loading (runtime.models.layer_gate): wait per layer
         prompt_rows = None if gate is None else gate.embed(ids)  # (N, E) from the store file while it loads
         if prompt_rows is None:
             if gate is not None:
                 gate.wait(0)
-            k.embedding(w.embed.data_ptr(), ids_p, n, e, x, e)
+            k.embedding(w.embed.data_ptr(), ids.data_ptr(), n, e, x, e)
         else:
             self.x[:n].copy_(prompt_rows)  # float32 rows, as the kernel writes them
-        for i, ((in_norm, qkv_d, o_d, post_norm, mlp_d, down_d), kv) in enumerate(
-            zip(w.layers, self.kv, strict=True)
-        ):
-            if gate is not None:
+        layers, row_bytes = self.layers.data_ptr(), self.layers.stride(0) * 8
+        if gate is None:  # every layer in one call: no Python between a step's ~270 kernels
+            k.decoder_layers(threads, layers, cfg.num_layers, *step)
+        else:
+            for i in range(cfg.num_layers):
                 gate.wait(i + 1)
-            k.rms_norm(x, e, 0, hb, e, in_norm, w.norm_code, n, e, eps, rnd)
-            k.linear(threads, qkv_d.data_ptr(), 3, hb, e, n, e, qkv, qkv_w, flags, 0)
-            k.rope(qkv, qkv_w, h + hkv, d, pos_p, n, cos, sin, rnd)
-            k.kv_write(
-                k_ptr, v_ptr, qkv_w, kv.address, kv.dtype, kv.block_stride, kv.block_size, hkv * d, slot_p, n
-            )
-            k.paged_decode_attention(
-                threads, qkv, qkv_w, kv.address, kv.dtype, kv.block_stride, kv.block_size, h, hkv, d,
-                tab_p, width, rows_p, ctx_p, n, attn, h * d, scale, rnd,
-            )  # fmt: skip
-            k.linear(threads, o_d.data_ptr(), 1, attn, h * d, n, h * d, x, e, flags_acc, 0)
-            k.rms_norm(x, e, 0, hb, e, post_norm, w.norm_code, n, e, eps, rnd)
-            k.linear(threads, mlp_d.data_ptr(), 2, hb, e, n, e, mlp, inter, flags, 1)
-            k.linear(threads, down_d.data_ptr(), 1, mlp, inter, n, inter, x, e, flags_acc, 0)
+                k.decoder_layers(threads, layers + i * row_bytes, 1, *step)
         if gate is not None:
             gate.wait(cfg.num_layers + 1)
         k.rms_norm(x, e, last, hb, e, w.norm, w.norm_code, bsz, e, eps, rnd)
         logits = torch.empty(bsz, cfg.vocab_size)
-        k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, flags, 0)
+        k.linear(threads, w.head.data_ptr(), 1, hb, e, bsz, e, logits.data_ptr(), cfg.vocab_size, w.flags, 0)
         return logits
 
 

@@ -140,6 +140,29 @@ void ck_attention(const ck_isa *isa, int nthreads, const ck_attn *a, const float
                   i64 kv_heads, const i64 *tables, i64 width, const i64 *rows, const i64 *ctx, i64 n,
                   float *out, i64 ldo, int round);
 void ck_embedding(const ck_weight *w, const i64 *ids, i64 n, i64 e, float *out, i64 ldo);
+
+/* One decoder layer as ck_decoder_layers reads it (int64 rows of 7): the addresses of its input
+ * norm weight, its q|k|v descriptors (3), o (1), post-attention norm weight, gate|up (2), down (1)
+ * and of its KV cache (kv_blocks[0, layer, 0]). */
+typedef struct {
+    i64 in_norm, qkv, o, post_norm, mlp, down, kv;
+} ck_layer;
+
+/* A step's rows and the buffers they run through (runtime/models/llama_decode.py's scratch). */
+typedef struct {
+    i64 n, e, h, hkv, d, inter; /* rows; hidden; heads; KV heads; head dim; intermediate */
+    float *x, *hb, *qkv, *attn, *mlp;
+    const i64 *pos, *slots, *tables, *rows, *ctx;
+    i64 width; /* of the block tables */
+    const float *cos, *sin;
+    i64 norm_dtype, kv_dtype, block_stride, bs;
+    float eps, scale;
+    int flags, round;
+} ck_decoder;
+
+/* Every layer in one call: the nine kernels of a layer in llama_decode.py's order, with the same
+ * arguments (equal results); -1 when out of memory. */
+int ck_decoder_layers(const ck_isa *isa, int nthreads, const ck_decoder *s, const ck_layer *layers, i64 nl);
 void ck_dequant_row(const ck_weight *w, i64 row, i64 k, float *out);
 
 #endif

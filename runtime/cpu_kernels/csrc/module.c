@@ -227,6 +227,73 @@ static PyObject *py_embedding(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(decoder_layers_doc,
+"decoder_layers(nthreads, layers, nlayers, n, e, heads, kv_heads, d, inter, x, h, qkv, attn, mlp,\n"
+"               positions, slots, tables, width, rows, ctx, cos, sin, norm_dtype, kv_dtype,\n"
+"               block_stride, block_size, eps, scale, flags, round)\n--\n\n"
+"Run `nlayers` decoder layers over n rows in one call: per layer what rms_norm, linear (q|k|v),\n"
+"rope, kv_write, paged_decode_attention, linear (o, accumulate), rms_norm, linear (swiglu) and\n"
+"linear (down, accumulate) do with the same arguments. `layers`: int64 (nlayers, 7) rows of\n"
+"input-norm weight, q|k|v descriptors, o, post-norm weight, gate|up, down, KV address\n"
+"(kv_blocks[0, layer, 0]); x, h, qkv, attn, mlp: fp32 scratch of (n, e), (n, e),\n"
+"(n, (heads + 2 kv_heads) d), (n, heads d), (n, inter); flags as linear's (accumulate is added).");
+
+static int check_layer(const ck_layer *l, i64 e, i64 qkv_w, i64 hd, i64 inter) {
+    const ck_weight *qkv = (const ck_weight *)(intptr_t)l->qkv, *o = (const ck_weight *)(intptr_t)l->o;
+    const ck_weight *mlp = (const ck_weight *)(intptr_t)l->mlp, *down = (const ck_weight *)(intptr_t)l->down;
+    if (!l->in_norm || !l->post_norm || !l->kv || !qkv || !o || !mlp || !down)
+        return bad("decoder_layers: every layer needs its norm weights, descriptors and KV address");
+    if (check_weights(qkv, 3, e) < 0 || check_weights(o, 1, hd) < 0 || check_weights(mlp, 2, e) < 0 ||
+        check_weights(down, 1, inter) < 0)
+        return -1;
+    if (qkv[0].n + qkv[1].n + qkv[2].n != qkv_w || o->n != e || mlp[0].n != inter || mlp[1].n != inter ||
+        down->n != e)
+        return bad("decoder_layers: a layer's weights do not have the model's shapes");
+    return 0;
+}
+
+static PyObject *py_decoder_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg a[30];
+    if (parse("decoder_layers", args, nargs, "iiiiiiiiiiiiiiiiiiiiiiiiiiffii", a) < 0) return NULL;
+    const ck_layer *layers = (const ck_layer *)(intptr_t)a[1].i;
+    i64 nl = a[2].i, n = a[3].i, e = a[4].i, h = a[5].i, hkv = a[6].i, d = a[7].i, inter = a[8].i;
+    i64 width = a[17].i, bs = a[25].i;
+    int addresses = 1;
+    for (int i = 9; i <= 21; i++) addresses &= i == 17 || a[i].i != 0;
+    if (!layers || nl < 1 || n < 1 || e < 1 || hkv < 1 || h < hkv || h % hkv || d < 2 || d % 2 || d > 512 ||
+        inter < 1 || !addresses || width < 1 || bs < 1 || bs > 512 ||
+        (a[22].i != CK_F32 && a[22].i != CK_BF16 && a[22].i != CK_F16) ||
+        (a[23].i != CK_F32 && a[23].i != CK_BF16) || a[24].i < 2 * bs * hkv * d) {
+        bad("decoder_layers: addresses, positive sizes, heads a multiple of kv_heads, an even d <= 512, "
+            "1 <= block_size <= 512, float dtypes and a consistent block stride are required");
+        return NULL;
+    }
+    const i64 *ctx = (const i64 *)(intptr_t)a[19].i;
+    for (i64 i = 0; i < n; i++)
+        if (ctx[i] < 1 || ctx[i] > width * bs) {
+            bad("decoder_layers: every context must have 1 <= ctx <= width * block_size tokens");
+            return NULL;
+        }
+    for (i64 i = 0; i < nl; i++)
+        if (check_layer(&layers[i], e, (h + 2 * hkv) * d, h * d, inter) < 0) return NULL;
+    ck_decoder s = {
+        n, e, h, hkv, d, inter,
+        (float *)(intptr_t)a[9].i, (float *)(intptr_t)a[10].i, (float *)(intptr_t)a[11].i,
+        (float *)(intptr_t)a[12].i, (float *)(intptr_t)a[13].i,
+        (const i64 *)(intptr_t)a[14].i, (const i64 *)(intptr_t)a[15].i, (const i64 *)(intptr_t)a[16].i,
+        (const i64 *)(intptr_t)a[18].i, ctx, width,
+        (const float *)(intptr_t)a[20].i, (const float *)(intptr_t)a[21].i,
+        a[22].i, a[23].i, a[24].i, bs, (float)a[26].f, (float)a[27].f, (int)a[28].i, (int)a[29].i,
+    };
+    const ck_isa *isa = state_of(self)->isa;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ck_decoder_layers(isa, (int)a[0].i, &s, layers, nl);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static int cpu_has_avx512(void) {
 #ifdef CK_HAVE_AVX512_PATH
     __builtin_cpu_init();
@@ -282,6 +349,7 @@ static PyMethodDef methods[] = {
     {"kv_write", (PyCFunction)(void (*)(void))py_kv_write, METH_FASTCALL, kv_write_doc},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL, attention_doc},
     {"embedding", (PyCFunction)(void (*)(void))py_embedding, METH_FASTCALL, embedding_doc},
+    {"decoder_layers", (PyCFunction)(void (*)(void))py_decoder_layers, METH_FASTCALL, decoder_layers_doc},
     {"isa", py_isa, METH_NOARGS, isa_doc},
     {"set_isa", py_set_isa, METH_O, set_isa_doc},
     {NULL, NULL, 0, NULL},

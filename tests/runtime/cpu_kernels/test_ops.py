@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from runtime.cpu_kernels import ops
-from runtime.cpu_kernels.ops import CpuKernelError, Weight
+from runtime.cpu_kernels.ops import CpuKernelError, KVLayout, Weight
 
 _EXT = ops.load("auto")
 HAS_AVX512 = _EXT is not None and _EXT.isa() == "avx512"
@@ -252,3 +253,116 @@ def test_one_openmp_runtime_is_mapped() -> None:
     maps = Path("/proc/self/maps").read_text().splitlines()
     libs = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(libs) == 1, libs
+
+
+@dataclass
+class Step:
+    """One decode step's inputs for layer 1 of a paged_cache: E=128, H=4, Hkv=2, D=64, I=96, 3 rows."""
+
+    weights: list[Weight]  # what the descriptors below point into: kept alive with them
+    kv: torch.Tensor
+    x: torch.Tensor
+    qkv: torch.Tensor  # descriptors
+    o: torch.Tensor
+    mlp: torch.Tensor
+    down: torch.Tensor
+    norms: tuple[torch.Tensor, torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor = field(default_factory=lambda: torch.tensor([5, 9, 2]))
+    slots: torch.Tensor = field(default_factory=lambda: torch.tensor([5 + 4, 9 + 8, 2 + 24]))  # in the tables
+    tables: torch.Tensor = field(default_factory=lambda: torch.tensor([[3, 1, 0], [7, 11, 2], [6, 0, 0]]))
+    ctx: torch.Tensor = field(default_factory=lambda: torch.tensor([6, 10, 3]))
+    n, e, h, hkv, d, inter = 3, 128, 4, 2, 64, 96
+
+    @classmethod
+    def random(cls, g: torch.Generator, kv_dtype: torch.dtype) -> Step:
+        e, h, hkv, d, inter = cls.e, cls.h, cls.hkv, cls.d, cls.inter
+
+        def weight(rows: int, cols: int) -> Weight:
+            return Weight(torch.randn(rows, cols, generator=g).div(cols**0.5).bfloat16())
+
+        cos, sin = ops.rope_table(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 64)
+        qkv = [weight(h * d, e), weight(hkv * d, e), weight(hkv * d, e)]
+        o, mlp, down = weight(e, h * d), [weight(inter, e), weight(inter, e)], weight(e, inter)
+        return cls(
+            [*qkv, o, *mlp, down],
+            paged_cache(kv_dtype, g, pad=8),
+            torch.randn(cls.n, e, generator=g).bfloat16().float(),
+            ops.descriptors(qkv),
+            ops.descriptors([o]),
+            ops.descriptors(mlp),
+            ops.descriptors([down]),
+            (torch.rand(e, generator=g).add(0.5).bfloat16(), torch.rand(e, generator=g).add(0.5).bfloat16()),
+            cos,
+            sin,
+        )
+
+    def layer(self, kv: torch.Tensor) -> list[int]:
+        """The layer's row of decoder_layers' table."""
+        n1, n2 = self.norms
+        return [
+            n1.data_ptr(), self.qkv.data_ptr(), self.o.data_ptr(), n2.data_ptr(), self.mlp.data_ptr(),
+            self.down.data_ptr(), KVLayout.of(kv, 1).address,
+        ]  # fmt: skip
+
+    def run(
+        self, ext: ModuleType, table: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, nlayers: int = 1,
+        ctx: torch.Tensor | None = None, inter: int | None = None,
+    ) -> None:  # fmt: skip
+        lay, n, d, h, hkv = KVLayout.of(kv, 1), self.n, self.d, self.h, self.hkv
+        scratch = [x, *(torch.empty(n, c) for c in (self.e, (h + 2 * hkv) * d, h * d, self.inter))]
+        rows, ctx = torch.arange(n), self.ctx if ctx is None else ctx
+        ext.decoder_layers(
+            2, table.data_ptr(), nlayers, n, self.e, h, hkv, d, self.inter if inter is None else inter,
+            *(t.data_ptr() for t in scratch), self.positions.data_ptr(), self.slots.data_ptr(),
+            self.tables.data_ptr(), self.tables.shape[1], rows.data_ptr(), ctx.data_ptr(),
+            self.cos.data_ptr(), self.sin.data_ptr(), ops.BF16, lay.dtype, lay.block_stride, lay.block_size,
+            1e-5, d**-0.5, ops.X_BF16 | ops.ROUND_BF16, 1,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layers_equal_the_kernels_one_by_one(ext: ModuleType, kv_dtype: torch.dtype) -> None:
+    # runtime.models.llama_decode runs a step's layers in one call; it must compute exactly what
+    # the nine kernels of a layer compute when called one after another.
+    s = Step.random(torch.Generator().manual_seed(11), kv_dtype)
+    n, e, h, hkv, d, inter = s.n, s.e, s.h, s.hkv, s.d, s.inter
+    qkv_w, flags, rows = (h + 2 * hkv) * d, ops.X_BF16 | ops.ROUND_BF16, torch.arange(n)
+    kv0, x0 = s.kv.clone(), s.x.clone()
+    lay = KVLayout.of(kv0, 1)
+    hb, qkv, attn, mlp = (torch.empty(n, c) for c in (e, qkv_w, h * d, inter))
+    xp, hp, qp, ap, mp = (t.data_ptr() for t in (x0, hb, qkv, attn, mlp))
+    cache = (lay.address, lay.dtype, lay.block_stride, lay.block_size)
+    ext.rms_norm(xp, e, 0, hp, e, s.norms[0].data_ptr(), ops.BF16, n, e, 1e-5, 1)
+    ext.linear(2, s.qkv.data_ptr(), 3, hp, e, n, e, qp, qkv_w, flags, 0)
+    ext.rope(qp, qkv_w, h + hkv, d, s.positions.data_ptr(), n, s.cos.data_ptr(), s.sin.data_ptr(), 1)
+    ext.kv_write(qp + h * d * 4, qp + (h + hkv) * d * 4, qkv_w, *cache, hkv * d, s.slots.data_ptr(), n)
+    ext.paged_decode_attention(
+        2, qp, qkv_w, *cache, h, hkv, d, s.tables.data_ptr(), s.tables.shape[1], rows.data_ptr(),
+        s.ctx.data_ptr(), n, ap, h * d, d**-0.5, 1,
+    )  # fmt: skip
+    ext.linear(2, s.o.data_ptr(), 1, ap, h * d, n, h * d, xp, e, flags | ops.ACCUMULATE, 0)
+    ext.rms_norm(xp, e, 0, hp, e, s.norms[1].data_ptr(), ops.BF16, n, e, 1e-5, 1)
+    ext.linear(2, s.mlp.data_ptr(), 2, hp, e, n, e, mp, inter, flags, 1)
+    ext.linear(2, s.down.data_ptr(), 1, mp, inter, n, inter, xp, e, flags | ops.ACCUMULATE, 0)
+
+    kv1, x1 = s.kv.clone(), s.x.clone()
+    s.run(ext, torch.tensor([s.layer(kv1)]), kv1, x1)
+    assert torch.equal(x0, x1)
+    assert torch.equal(kv0.float(), kv1.float())
+    assert not torch.equal(x1, s.x)  # the layer did something
+
+
+def test_decoder_layers_refuse_bad_steps() -> None:
+    assert _EXT is not None
+    s = Step.random(torch.Generator().manual_seed(12), torch.bfloat16)
+    good = s.layer(s.kv)
+    with pytest.raises(ValueError, match="positive sizes"):
+        s.run(_EXT, torch.tensor([good]), s.kv, s.x.clone(), nlayers=0)
+    with pytest.raises(ValueError, match="every context"):
+        s.run(_EXT, torch.tensor([good]), s.kv, s.x.clone(), ctx=torch.tensor([6, 13, 3]))  # > 3 blocks of 4
+    with pytest.raises(ValueError, match="model's shapes"):  # gate/up have 96 rows, not 64
+        s.run(_EXT, torch.tensor([good]), s.kv, s.x.clone(), inter=64)
+    with pytest.raises(ValueError, match="norm weights"):
+        s.run(_EXT, torch.tensor([[*good[:6], 0]]), s.kv, s.x.clone())
