@@ -258,7 +258,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *const *args, Py_ssi
     const ck_layer *layers = (const ck_layer *)(intptr_t)a[1].i;
     i64 nl = a[2].i, n = a[3].i, e = a[4].i, h = a[5].i, hkv = a[6].i, d = a[7].i, inter = a[8].i;
     i64 width = a[17].i, bs = a[25].i;
-    int addresses = 1;
+    int addresses = 1; /* arguments 9..21: scratch, step and RoPE tables (17 is width, a count) */
     for (int i = 9; i <= 21; i++) addresses &= i == 17 || a[i].i != 0;
     if (!layers || nl < 1 || n < 1 || e < 1 || hkv < 1 || h < hkv || h % hkv || d < 2 || d % 2 || d > 512 ||
         inter < 1 || !addresses || width < 1 || bs < 1 || bs > 512 ||
