@@ -221,29 +221,27 @@ void ck_embedding(const ck_weight *w, const i64 *ids, i64 n, i64 e, float *out, 
 /* ---- a whole stack of decoder layers ---------------------------------------------------------- */
 
 int ck_decoder_layers(const ck_isa *isa, int nt, const ck_decoder *s, const ck_layer *layers, i64 nl) {
-    i64 n = s->n, e = s->e, d = s->d, h = s->h, hkv = s->hkv, qkv_w = (h + 2 * hkv) * d;
+    i64 n = s->n, e = s->e, d = s->d, h = s->h, hkv = s->hkv, inter = s->inter, qkv_w = (h + 2 * hkv) * d;
     int flags = s->flags, acc = s->flags | CK_ACCUMULATE, round = s->round;
     for (i64 i = 0; i < nl; i++) {
         const ck_layer *l = &layers[i];
         char *kv = (char *)(intptr_t)l->kv;
+        const void *norm1 = (const void *)(intptr_t)l->in_norm, *norm2 = (const void *)(intptr_t)l->post_norm;
+        const ck_weight *qkv = (const ck_weight *)(intptr_t)l->qkv, *o = (const ck_weight *)(intptr_t)l->o;
+        const ck_weight *mlp = (const ck_weight *)(intptr_t)l->mlp;
+        const ck_weight *down = (const ck_weight *)(intptr_t)l->down;
         ck_attn at = {kv, s->kv_dtype, s->block_stride, s->bs * hkv * d, hkv * d, s->bs, d, s->scale};
-        ck_rms_norm(s->x, e, NULL, s->hb, e, (const void *)(intptr_t)l->in_norm, s->norm_dtype, n, e, s->eps, round);
-        if (ck_linear(isa, nt, (const ck_weight *)(intptr_t)l->qkv, 3, s->hb, e, n, e, s->qkv, qkv_w, flags, 0))
-            return -1;
+        ck_rms_norm(s->x, e, NULL, s->hb, e, norm1, s->norm_dtype, n, e, s->eps, round);
+        if (ck_linear(isa, nt, qkv, 3, s->hb, e, n, e, s->qkv, qkv_w, flags, 0)) return -1;
         ck_rope(s->qkv, qkv_w, h + hkv, d, s->pos, n, s->cos, s->sin, round);
-        ck_kv_write(s->qkv + h * d, s->qkv + (h + hkv) * d, qkv_w, kv, s->kv_dtype, s->block_stride, s->bs, hkv * d,
-                    s->slots, n);
-        ck_attention(isa, nt, &at, s->qkv, qkv_w, h, hkv, s->tables, s->width, s->rows, s->ctx, n, s->attn, h * d,
-                     round);
-        if (ck_linear(isa, nt, (const ck_weight *)(intptr_t)l->o, 1, s->attn, h * d, n, h * d, s->x, e, acc, 0))
-            return -1;
-        ck_rms_norm(s->x, e, NULL, s->hb, e, (const void *)(intptr_t)l->post_norm, s->norm_dtype, n, e, s->eps,
-                    round);
-        if (ck_linear(isa, nt, (const ck_weight *)(intptr_t)l->mlp, 2, s->hb, e, n, e, s->mlp, s->inter, flags, 1))
-            return -1;
-        if (ck_linear(isa, nt, (const ck_weight *)(intptr_t)l->down, 1, s->mlp, s->inter, n, s->inter, s->x, e, acc,
-                      0))
-            return -1;
+        ck_kv_write(s->qkv + h * d, s->qkv + (h + hkv) * d, qkv_w, kv, s->kv_dtype, s->block_stride, s->bs,
+                    hkv * d, s->slots, n);
+        ck_attention(isa, nt, &at, s->qkv, qkv_w, h, hkv, s->tables, s->width, s->rows, s->ctx, n, s->attn,
+                     h * d, round);
+        if (ck_linear(isa, nt, o, 1, s->attn, h * d, n, h * d, s->x, e, acc, 0)) return -1;
+        ck_rms_norm(s->x, e, NULL, s->hb, e, norm2, s->norm_dtype, n, e, s->eps, round);
+        if (ck_linear(isa, nt, mlp, 2, s->hb, e, n, e, s->mlp, inter, flags, 1)) return -1;
+        if (ck_linear(isa, nt, down, 1, s->mlp, inter, n, inter, s->x, e, acc, 0)) return -1;
     }
     return 0;
 }
