@@ -2,8 +2,9 @@
 
 Eager PyTorch spends more time dispatching a decode step's ~35 ops per layer than reading the
 weights; here every layer is nine kernels in C, all layers of a step one call
-(``decoder_layers``: 270 calls from Python cost ~0.3 ms a token), with addresses prepared once
-per model and KV tensor, activations fp32 in scratch buffers that live as long as this object:
+(``decoder_layers``: no Python between a step's 270 kernels, 1-2 % on SmolLM2 bf16 decode),
+with addresses prepared once per model and KV tensor, activations fp32 in scratch buffers that
+live as long as this object:
 
     x    (N, E)            residual stream (rounded to the model dtype, as the torch path does)
     h    (N, E)            normed input of attention / MLP
