@@ -37,9 +37,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
+from runtime.engine.engine import Engine
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
@@ -146,6 +148,12 @@ def _failed(exc: RequestFailed) -> JSONResponse:
     return _error(500, exc.code, str(exc))
 
 
+async def _prefetch_kv(engine: Engine) -> None:
+    """A new instance's first KV blocks (:meth:`Engine.scale_kv`: the watermark's), on the event
+    loop like every other call on its pool session."""
+    engine.scale_kv()
+
+
 def build_app(state: WorkerState) -> FastAPI:
     """The FastAPI app of a worker (pre-warmed until assigned); :func:`serve` wraps it in
     :class:`WorkerGuard`."""
@@ -216,7 +224,11 @@ def build_app(state: WorkerState) -> FastAPI:
                     state.standby = standby  # untouched: the agent ends this worker
                     raise
             state.schedule_tokens(message)
-            return Response(reply.to_json(), media_type="application/json")
+            # The KV blocks a first request would fetch from the pool (a round trip on its path,
+            # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway.
+            assert state.assignment is not None
+            prefetch = BackgroundTask(_prefetch_kv, state.assignment.binding.engine)
+            return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
         return await _assigning(become)
 

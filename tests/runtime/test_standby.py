@@ -169,6 +169,39 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
     asyncio.run(scenario())
 
 
+async def wait_kv_bytes(agent: NodeAgent, device: str, more_than: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (held := (await agent.report())[device]["kv_bytes"]) <= more_than:
+        assert time.monotonic() < deadline, f"the pool holds {held} KV bytes, not more than {more_than}"
+        await asyncio.sleep(0.05)
+    return int(held)
+
+
+@pytest.mark.slow
+def test_a_started_instance_fetches_its_first_kv_blocks_before_its_first_request(tmp_path: Path) -> None:
+    """Off the first request's path (a pool round trip), from a pre-warmed worker and from a standby."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", str(tmp_path / "tiny.gguf")) as (agent, model, device):
+            document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+            await wait_warm(agent, 1)
+            assert (await agent.report())[device]["kv_bytes"] == 0
+            first = await agent.launch("1", document, model, device, time.time() + 120)
+            assert await wait_kv_bytes(agent, device, 0) > 0
+            expected = await complete(first.url, first.token)
+            await agent.stop("1", standby=True)
+            await wait_standby(agent, 1)
+            await wait_warm(agent, 1)
+            held = (await agent.report())[device]["kv_bytes"]  # prefix blocks published by the first
+            second = await agent.launch("2", document, model, device, time.time() + 120)
+            assert "activate_ms" in second.timings_ms
+            await wait_kv_bytes(agent, device, held)
+            assert await complete(second.url, second.token) == expected
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
