@@ -75,8 +75,6 @@ class ChatTemplate:
         opened (add_generation_prompt); see the module docstring for what is rewritten."""
         if self._compiled is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        from jinja2 import TemplateError
-
         messages = self._adapt(messages, tools)
         variables: dict[str, Any] = {}
         if tools and self.reads_tools:
@@ -91,7 +89,7 @@ class ChatTemplate:
                     **variables,
                 )
             )
-        except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
+        except Exception as exc:  # the model's code, sandboxed: any failure is its own
             # ChatTemplateError (raise_exception) is a ValueError: the template's own message.
             if isinstance(exc, ChatTemplateError):
                 raise

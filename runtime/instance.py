@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from runtime.openai_response import Completion, Reporter, collect
 from runtime.openai_tools import StructuredPlan, chat_messages, request_plan
 from runtime.registry import RegisteredModel, load
 from runtime.token_text import TokenText
+
+log = logging.getLogger("ember.worker")
 
 if TYPE_CHECKING:  # torch-importing modules: loaded by the first constrained request only
     from runtime.adapters import RegisteredAdapter
@@ -149,18 +152,35 @@ def warm_up(
 
 def _warm_text(template: ModelTemplate) -> None:
     """Render and tokenize one chat message: the first of each in a process costs ~0.5 ms
-    more than the next (the tokenizer's and the template's lazy set-up), on a cold start's path."""
+    more than the next (the tokenizer's and the template's lazy set-up), on a cold start's path.
+    Best effort: a template that cannot render this message (ChatTemplateError: each request
+    finds out for itself) or a failure of any kind never stops a worker from starting."""
     try:
-        text = template.chat.render([{"role": "user", "content": "Hello!"}])
-    except ChatTemplateError:  # a model without a usable chat template serves completions
-        text = "Hello!"
-    template.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            text = template.chat.render([{"role": "user", "content": "Hello!"}])
+        except ChatTemplateError:  # no usable template for this message: the plain text, then
+            text = "Hello!"
+        template.tokenizer.encode(text, add_special_tokens=False)
+    except Exception:
+        log.warning("warming the tokenizer of %s failed", template.model.directory, exc_info=True)
 
 
-# Prompts up to this many characters are tokenized on the event loop: ~0.3 ms at ~0.15 us per
-# character (SmolLM2's tokenizer, this host), less than a thread hop costs when the engine's
-# threads hold the cores (the pool thread waits for a CPU, up to a scheduler slice: ~3 ms).
-INLINE_ENCODE_CHARS = 2048
+# Requests of at most this many characters in at most INLINE_MESSAGES messages without tool
+# calls are rendered and tokenized on the event loop: 0.2-0.8 ms (SmolLM2's tokenizer on this
+# host: 0.15-0.74 us per character, English to digits), less than a thread hop can cost while
+# the engine's threads hold the cores (the thread waits for a CPU, up to a scheduler slice:
+# ~3 ms). Longer texts are tokenized with the GIL released (encode_text).
+INLINE_ENCODE_CHARS = 1024
+INLINE_MESSAGES = 8
+
+
+def _small(request: ChatRequest | CompletionRequest) -> bool:
+    """Whether ``request`` is rendered and tokenized on the event loop (INLINE_ENCODE_CHARS)."""
+    if request.chars > INLINE_ENCODE_CHARS:
+        return False
+    return not isinstance(request, ChatRequest) or (
+        len(request.messages) <= INLINE_MESSAGES and request.num_tool_calls == 0
+    )
 
 
 class Prepared(NamedTuple):
@@ -241,7 +261,11 @@ class ModelBinding:
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:
-        ids: list[int] = self.template.tokenizer.encode(text, add_special_tokens=False).ids
+        tokenizer = self.template.tokenizer
+        if len(text) <= INLINE_ENCODE_CHARS:
+            ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+        else:  # encode holds the GIL throughout (the event loop would stop), encode_batch not
+            ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if not ids:
             raise RequestError("the prompt is empty", None, "invalid_value")
         return ids
@@ -261,7 +285,7 @@ class ModelBinding:
         """
         param = "messages" if isinstance(request, ChatRequest) else "prompt"
         check_prompt_chars(request.chars, self.engine.max_context, param)
-        if request.chars <= INLINE_ENCODE_CHARS and plan is None:
+        if plan is None and _small(request):
             ids = self.encode(request, plan)
         else:
             ids = await asyncio.to_thread(self.encode, request, plan)

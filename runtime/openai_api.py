@@ -287,10 +287,18 @@ class ChatRequest(SamplingFields):
 
     @property
     def chars(self) -> int:
-        """Characters of the messages (bounds the prompt before it is tokenized)."""
+        """Characters of the messages: every string a template renders from them (bounds the
+        prompt before it is tokenized)."""
         return sum(
-            len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in self.messages
+            len(m.text)
+            + len(m.tool_call_id or "")
+            + sum(len(c.id) + len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+            for m in self.messages
         )
+
+    @property
+    def num_tool_calls(self) -> int:
+        return sum(len(m.tool_calls or ()) for m in self.messages)
 
 
 class CompletionRequest(SamplingFields):

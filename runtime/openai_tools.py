@@ -226,7 +226,8 @@ def _replay(message: dict[str, Any]) -> dict[str, Any]:
             arguments = json.loads(fn.get("arguments") or "{}")
         except json.JSONDecodeError:
             arguments = fn.get("arguments")
-        body = json.dumps({"name": fn.get("name"), "arguments": arguments})
+        # As they came: escaped, one emoji would render as 12 characters (ChatRequest.chars).
+        body = json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
         blocks.append(f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}")
     text = "\n".join(filter(None, [message.get("content") or "", *blocks]))
     return {"role": "assistant", "content": text}

@@ -225,9 +225,11 @@ def build_app(state: WorkerState) -> FastAPI:
                     raise
             state.schedule_tokens(message)
             # The KV blocks a first request would fetch from the pool (a round trip on its path,
-            # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway.
-            assert state.assignment is not None
-            prefetch = BackgroundTask(_prefetch_kv, state.assignment.binding.engine)
+            # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
+            # for a custom handler: it may never run the model, and would hold them for nothing.
+            a = state.assignment
+            assert a is not None
+            prefetch = BackgroundTask(_prefetch_kv, a.binding.engine) if a.runner is None else None
             return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
         return await _assigning(become)

@@ -202,6 +202,27 @@ def test_a_started_instance_fetches_its_first_kv_blocks_before_its_first_request
     asyncio.run(scenario())
 
 
+ECHO = """async def handler(event, context):
+    return event
+"""
+
+
+@pytest.mark.slow
+def test_a_custom_handler_fetches_no_kv_blocks_it_may_never_use(tmp_path: Path) -> None:
+    home, document, source = custom_function(tmp_path, "echo", ECHO)
+
+    async def scenario() -> None:
+        async with started_agent(home, source, standby=0) as (agent, model, device):
+            await wait_warm(agent, 1)
+            started = await agent.launch("1", document, model, device, time.time() + 120)
+            async with httpx.AsyncClient(base_url=started.url, timeout=60) as http:
+                resp = await http.post("/invoke", json={"x": 1}, headers={TOKEN_HEADER: started.token})
+                assert resp.status_code == 200 and resp.json() == {"x": 1}, resp.text
+            assert (await agent.report())[device]["kv_bytes"] == 0
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_standbys_are_bounded_and_expire(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
