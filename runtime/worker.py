@@ -16,8 +16,9 @@ so the weights stay resident, inactive, for the next instance.
 Every route but ``/healthz`` requires the worker's own credential and bodies are bounded
 (:mod:`runtime.worker_guard`); request headers are bounded in read time and size, and
 malformed requests answered with a JSON error, by the server the gateway runs too
-(:mod:`runtime.http_server`). Prompts are tokenized off the event loop, and ones far beyond
-the context are rejected before tokenizing (:meth:`ModelBinding.prepare`).
+(:mod:`runtime.http_server`). Prompts beyond a small size are tokenized in a thread with the
+GIL released, and ones far beyond the context are rejected before tokenizing
+(:meth:`ModelBinding.prepare`).
 """
 
 from __future__ import annotations
