@@ -281,7 +281,8 @@ class ModelBinding:
         the tools ``plan`` offers), or :class:`RequestError`.
 
         A prompt far beyond the context is rejected before tokenizing (by its length in
-        characters), and a long one is tokenized in a thread: the event loop keeps serving.
+        characters); one that is not small (:func:`_small`) is rendered and tokenized in a
+        thread, the text with the GIL released: the event loop keeps serving.
         """
         param = "messages" if isinstance(request, ChatRequest) else "prompt"
         check_prompt_chars(request.chars, self.engine.max_context, param)

@@ -287,8 +287,9 @@ class ChatRequest(SamplingFields):
 
     @property
     def chars(self) -> int:
-        """Characters of the messages: every string a template renders from them (bounds the
-        prompt before it is tokenized)."""
+        """Characters of the messages' text and of their tool calls (ids, names, arguments):
+        what templates render from them, less their own markup (bounds the prompt before it
+        is tokenized)."""
         return sum(
             len(m.text)
             + len(m.tool_call_id or "")
@@ -298,6 +299,7 @@ class ChatRequest(SamplingFields):
 
     @property
     def num_tool_calls(self) -> int:
+        """Tool calls of earlier assistant turns the messages replay."""
         return sum(len(m.tool_calls or ()) for m in self.messages)
 
 
