@@ -29,16 +29,14 @@ from runtime.instance import (
     load_template,
 )
 from runtime.openai_api import RequestError, parse_request
-from runtime.registry import RegisteredModel, register
+from runtime.registry import RegisteredModel
 from tests.conftest import PoolProcess
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import register_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    home = tmp_path_factory.mktemp("prepare-home")
-    write_tiny_gguf(home / "tiny.gguf", hf_weights(3))
-    return register(str(home / "tiny.gguf"), "float32", home=home)
+    return register_tiny(tmp_path_factory.mktemp("prepare"))
 
 
 @pytest.fixture

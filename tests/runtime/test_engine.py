@@ -25,18 +25,16 @@ from runtime.mesh.slo import Slo
 from runtime.mesh.state_page import PAGE_BYTES, StatePage
 from runtime.mesh.time_table import TimeTable
 from runtime.models.llama import LlamaConfig, LlamaModel
-from runtime.registry import RegisteredModel, register
+from runtime.registry import RegisteredModel
 from tests.conftest import PoolProcess
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import register_tiny
 
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    root = tmp_path_factory.mktemp("tiny")
-    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
-    return register(str(root / "tiny.gguf"), "float32", home=root / "home")
+    return register_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.models.llama import Batch, LlamaConfig, LlamaModel
 from runtime.models.lora import MODULES, LoraAdapter, LoraBatch
-from runtime.registry import RegisteredModel, register
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from runtime.registry import RegisteredModel
+from tests.runtime.tiny_gguf import register_tiny
 
 BLOCK = 4
 PROMPTS = ([5, 9, 33, 71, 12, 8, 40, 41, 42], [77, 3, 19, 19, 60])
@@ -25,9 +25,7 @@ PROMPTS = ([5, 9, 33, 71, 12, 8, 40, 41, 42], [77, 3, 19, 19, 60])
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    root = tmp_path_factory.mktemp("tiny-lora")
-    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
-    return register(str(root / "tiny.gguf"), "float32", home=root / "home")
+    return register_tiny(tmp_path_factory.mktemp("tiny-lora"))
 
 
 @pytest.fixture(scope="module")

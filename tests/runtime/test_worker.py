@@ -14,19 +14,17 @@ import openai
 import pytest
 
 from gpu_pool.client import PoolClient
-from runtime.registry import RegisteredModel, register
+from runtime.registry import RegisteredModel
 from runtime.worker_guard import TOKEN_HEADER
 from tests.conftest import PoolProcess
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import register_tiny
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    root = tmp_path_factory.mktemp("tiny")
-    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
-    return register(str(root / "tiny.gguf"), "float32", home=root / "home")
+    return register_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.gguf_import import permute
+from runtime.registry import RegisteredModel, register
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -123,3 +124,9 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], projections: int
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def register_tiny(root: Path) -> RegisteredModel:
+    """The tiny model (seed 3) written under ``root`` and registered as float32 in ``root/home``."""
+    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
+    return register(str(root / "tiny.gguf"), "float32", home=root / "home")

@@ -17,10 +17,10 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import FinishReason
 from runtime.models.llama import LlamaConfig, LlamaModel
-from runtime.registry import RegisteredModel, register
+from runtime.registry import RegisteredModel
 from runtime.structured import SchemaError, ToolSpec, json_schema_spec, tool_call_spec
 from runtime.structured.cache import GrammarCache
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import register_tiny
 
 SCHEMA = {
     "type": "object",
@@ -32,9 +32,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    root = tmp_path_factory.mktemp("tiny")
-    write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
-    return register(str(root / "tiny.gguf"), "float32", home=root / "home")
+    return register_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 def make_engine(reg: RegisteredModel) -> tuple[Engine, GrammarCache]:
