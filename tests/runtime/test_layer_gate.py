@@ -16,6 +16,7 @@ from runtime.instance import bind, load_template
 from runtime.models.layer_gate import LayerGate, stage_groups
 from runtime.models.llama import Batch, LlamaConfig, LlamaModel
 from runtime.registry import models_dir, register
+from tests.conftest import wait_until
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 LAYERS = 6
@@ -217,6 +218,9 @@ def test_progressive_instance_generates_what_a_loaded_one_does(tmp_path: Path) -
     with running_pool(str(tmp_path / "pool.sock"), "64MiB", store_roots=(models_dir(home),)) as pool:
         for progressive in (True, False, True):
             with PoolClient(pool.socket_path, admin_token=pool.admin_token) as admin:
+                # The previous session's close is handled by the daemon on its own: until then
+                # its pins hold the weights, and an evict would leave them resident.
+                wait_until(lambda: admin.stats()["pinned_bytes"] == 0, 30.0)
                 admin.evict()
             with PoolClient(pool.socket_path) as client:
                 binding = bind(template, client, 16, progressive=progressive)
