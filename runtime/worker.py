@@ -426,7 +426,8 @@ def serve(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    app = WorkerGuard(build_app(state), guard)
+    inner = build_app(state)
+    app = WorkerGuard(inner, guard)
     config = server_config(
         app, headers or HeaderLimits(), log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
     )
@@ -437,7 +438,7 @@ def serve(
 
     async def main() -> None:
         state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
-        await rehearse()  # the request path's lazy imports, off the cold path
+        await rehearse(inner)  # the request path's lazy imports and first calls, off the cold path
         if assignment is not None:
             state.assignment, _ = await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -25,3 +25,54 @@ def test_rehearsal_imports_the_streaming_path_and_starts_no_thread() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) > 0
+
+
+ROUTES_PROBE = """
+import inspect, threading
+import uvloop
+from runtime.function_sandbox import FunctionSandbox
+from runtime.rehearsal import rehearse
+from runtime.worker import WorkerState, build_app
+
+state = WorkerState(sandbox=FunctionSandbox(None))
+app = build_app(state)
+
+async def post(path):
+    sent = []
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-length", b"2")], "client": ("127.0.0.1", 0),
+             "server": ("127.0.0.1", 0)}
+    await app(scope, receive, send)
+    return sent[0]["status"]
+
+async def main():
+    await rehearse(app)
+    calls = []
+    real = inspect.getsourcelines
+    inspect.getsourcelines = lambda obj: (calls.append(obj), real(obj))[1]
+    paths = ("/_ember/assign", "/_ember/standby", "/v1/chat/completions", "/invoke")
+    statuses = [await post(p) for p in paths]
+    return calls, statuses
+
+calls, statuses = uvloop.run(main())
+# The endpoints' first calls happened in the rehearsal: the first assign reads no source file.
+assert calls == [], [getattr(c, "__name__", c) for c in calls]
+assert all(400 <= s < 500 for s in statuses), statuses
+# Refused, the rehearsal left nothing behind: no function, no assignment under way, no thread.
+assert state.assignment is None and state.standby is None and not state.assigning
+assert threading.active_count() == 1, threading.enumerate()
+print("ok")
+"""
+
+
+def test_rehearsal_makes_each_routes_first_call_before_the_worker_is_ready() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", ROUTES_PROBE], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
