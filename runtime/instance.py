@@ -174,9 +174,10 @@ INLINE_ENCODE_CHARS = 1024
 INLINE_MESSAGES = 8
 
 
-def _small(request: ChatRequest | CompletionRequest) -> bool:
-    """Whether ``request`` is rendered and tokenized on the event loop (INLINE_ENCODE_CHARS)."""
-    if request.chars > INLINE_ENCODE_CHARS:
+def _small(request: ChatRequest | CompletionRequest, chars: int) -> bool:
+    """Whether ``request`` (``chars``: its :attr:`chars`, counted once by the caller) is
+    rendered and tokenized on the event loop (INLINE_ENCODE_CHARS)."""
+    if chars > INLINE_ENCODE_CHARS:
         return False
     return not isinstance(request, ChatRequest) or (
         len(request.messages) <= INLINE_MESSAGES and request.num_tool_calls == 0
@@ -285,8 +286,9 @@ class ModelBinding:
         thread, the text with the GIL released: the event loop keeps serving.
         """
         param = "messages" if isinstance(request, ChatRequest) else "prompt"
-        check_prompt_chars(request.chars, self.engine.max_context, param)
-        if plan is None and _small(request):
+        chars = request.chars
+        check_prompt_chars(chars, self.engine.max_context, param)
+        if plan is None and _small(request, chars):
             ids = self.encode(request, plan)
         else:
             ids = await asyncio.to_thread(self.encode, request, plan)
