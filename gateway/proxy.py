@@ -9,7 +9,10 @@ Every request carries the instance's credential (``X-Ember-Worker-Token``).
 Delivery is at most once: only a connection that could not be made (nothing was sent) is
 routed again (a dead instance is forgotten). Once the request may have reached the worker, a
 failure is one 502 ``instance_failed`` and the request is never re-sent: a handler that
-crashes its worker runs once. Pooled connections idle at most 30 s, less than the worker's
+crashes its worker runs once. A request on an early route (an instance still being
+activated, :mod:`scheduler.router`) names its instance; the worker's 503 ``not_started`` there
+says the activation failed before the request ran, and only that answer, only on such a route,
+routes the request again. Pooled connections idle at most 30 s, less than the worker's
 keep-alive (``runtime.worker.KEEP_ALIVE_S``), so a request is never written to a connection
 the worker already closed. If the worker dies mid-stream the client gets one ``error`` event
 and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released in every case.
@@ -37,6 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.metrics import Metrics
 from runtime.errors import error_body
 from scheduler.errors import FunctionNotFound, SchedulerError
+from scheduler.launcher import INSTANCE_HEADER, NOT_STARTED
 from scheduler.records import FunctionRecord
 from scheduler.router import Route
 from scheduler.state import ClusterState, on_loop
@@ -157,8 +161,11 @@ class Invoker:
             if not route.cold:
                 self.metrics.route.labels(name).observe(time.perf_counter() - t0)
             sent = {**headers, WORKER_TOKEN_HEADER: route.token} if route.token else headers
+            if route.early:  # the worker holds it until the instance's activation ends
+                sent = {**sent, INSTANCE_HEADER: route.instance_id}
             try:  # returns once the headers are in; the body is read (or relayed) below
                 upstream = await self.http.post(self._url(route.url, path), data=body, headers=sent)
+                never_ran = route.early and await _never_ran(upstream)
             except _NOT_SENT as exc:  # nothing reached the instance: route again
                 await self._lost(name, route, keep_alive)
                 if attempt == self.config.connect_retries:
@@ -180,6 +187,12 @@ class Invoker:
                     self.metrics.errors.labels(name, "instance_failed").inc()
                     raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
                 raise
+            if never_ran:  # its activation failed before it ran the request: route again
+                upstream.release()
+                await self.router.done(name, route, keep_alive, time.perf_counter() - t0, reusable=False)
+                if attempt == self.config.connect_retries:
+                    raise InvocationError(f"instance {route.instance_id} of {name!r} did not start") from None
+                continue
             break
 
         async def finish(status: int, reusable: bool) -> None:
@@ -247,6 +260,15 @@ class Invoker:
         (:meth:`Router.instance_lost`), else free the slot (when ``keep_alive`` is given)."""
         await asyncio.sleep(0.05)  # let the agent's child watcher notice the exit
         await self.router.instance_lost(name, route, keep_alive)
+
+
+async def _never_ran(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether a worker answered a request it held for its activation with "it never ran"
+    (:data:`scheduler.launcher.NOT_STARTED`). A 503's body is read (a small JSON error; read
+    again from aiohttp's copy when it is relayed); the caller releases the response."""
+    if upstream.status != 503:
+        return False
+    return _error_type(await upstream.read()) == NOT_STARTED
 
 
 def _error_type(content: bytes) -> str:

@@ -22,8 +22,10 @@ sees it), :mod:`runtime.device_report` (the device record) and :mod:`runtime.age
 The agent sends each worker's own credential on ``/_ember/*`` and returns it in
 :class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
 when a function is handed to it (its port refuses the connection: nothing was delivered) is
-discarded and another one taken. The worker's assign reply (:class:`runtime.messages.AssignReply`)
-carries the pool's :class:`~gpu_pool.acquire_report.AcquireReport`, which :class:`InstanceStart` keeps.
+discarded and another one taken. Each worker an assign goes to is told to the launch's
+``on_target`` first, so requests can follow it there (:mod:`runtime.early_requests`). The
+worker's assign reply (:class:`runtime.messages.AssignReply`) carries the pool's
+:class:`~gpu_pool.acquire_report.AcquireReport`, which :class:`InstanceStart` keeps.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _Start(NamedTuple):
     deadline: float
     threads: int | None  # its intra-op threads (CPU devices)
     take_turns: bool  # the agent schedules its device token by token (runtime.mesh)
+    on_target: Callable[[str, str], None] | None = None  # told each worker the assign goes to (launch)
 
 
 class _Undelivered(LaunchError):
@@ -196,17 +199,27 @@ class NodeAgent:
     # ----- instances ------------------------------------------------------------------------------
 
     async def launch(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: Callable[[str, str], None] | None = None,
     ) -> InstanceStart:
         """Turn a standby of the function (:mod:`runtime.standby_pool`) or else a pre-warmed
-        worker into an instance of ``spec`` on ``device_id``."""
+        worker into an instance of ``spec`` on ``device_id``. ``on_target(url, token)`` is told
+        each worker the assign goes to, before it is sent: requests may follow it there at
+        once (:mod:`runtime.early_requests`)."""
         device = device_id.split("/", 1)[1]
         if device not in self.pools:
             raise LaunchError(f"this node has no pool for {device_id}")
         await self._pools.wait_until_up(device, deadline)
         self._workers.adopt(model["dir"])
         threads = self._new_instance_threads() if device == "cpu" else None
-        start = _Start(instance_id, spec, model, device, deadline, threads, self._takes_turns(device))
+        start = _Start(
+            instance_id, spec, model, device, deadline, threads, self._takes_turns(device), on_target
+        )
         started = await self._from_standby(start)
         if started is None:
             started = await self._from_prewarmed(start)
@@ -284,7 +297,7 @@ class NodeAgent:
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
         try:
-            return worker, message, await self._assign(worker, message)
+            return worker, message, await self._assign(worker, message, start.on_target)
         except _InitFailed:  # the function's own initializer: it would fail on any worker
             raise
         except LaunchError as exc:  # the ordinary start still can
@@ -308,16 +321,24 @@ class NodeAgent:
             # cannot do that itself (runtime.worker_limits).
             boost(worker.proc.pid)
             try:
-                return worker, message, await self._assign(worker, message)
+                return worker, message, await self._assign(worker, message, start.on_target)
             except _Undelivered as exc:  # a dead worker: nothing was delivered, take another
                 if attempt == self.config.prewarm:
                     raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _assign(self, worker: WorkerHandle, message: AssignMessage) -> AssignReply:
+    async def _assign(
+        self,
+        worker: WorkerHandle,
+        message: AssignMessage,
+        on_target: Callable[[str, str], None] | None = None,
+    ) -> AssignReply:
         """``/_ember/assign`` ``message`` to ``worker``; a worker that fails it is ended
-        (:class:`_Undelivered` when the connection failed: nothing reached it)."""
+        (:class:`_Undelivered` when the connection failed: nothing reached it). ``on_target``
+        is told the worker as the assign goes out."""
         drain_s = self.config.drain_timeout_s
+        if on_target is not None:  # the worker holds what comes before the assign (either order)
+            on_target(worker.url, worker.token)
         try:
             resp = await self._http.post(worker, "assign", message.to_json())
         except WorkerUnreachable as exc:

@@ -244,7 +244,9 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
     _threads(message.num_threads)
     binding, client = standby.binding, standby.client
     try:
-        # The loop serves nothing else yet: the pool's round trip costs less than a thread hop.
+        # On the loop: the pool's round trip costs less than a thread hop, and the requests
+        # sent ahead of the activation (runtime.early_requests) wait for it anyway (measured:
+        # in a thread, the acquire took 0.3-0.5 ms longer and nothing ended sooner).
         placements = client.acquire_placements(binding.template.manifest)
         timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
         if placements != standby.placements:  # evicted or moved meanwhile: views on the new places

@@ -10,6 +10,8 @@ custom handler, runs its static initializer. It then serves OpenAI-compatible
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE with ``usage``) and ``/invoke``
 (the function's handler). ``POST /_ember/standby`` prepares a pre-warmed worker for one
 function ahead of time, and the assign that follows activates it (:mod:`runtime.assignment`).
+A request that names the instance being assigned is held until the assign ends
+(:mod:`runtime.early_requests`).
 On SIGTERM the server drains, the engine returns its KV blocks and the pool session closes,
 so the weights stay resident, inactive, for the next instance.
 
@@ -42,6 +44,7 @@ from starlette.background import BackgroundTask
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
+from runtime.early_requests import INSTANCE_HEADER, NOT_STARTED, EarlyRequests
 from runtime.engine.engine import Engine
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body
@@ -76,6 +79,7 @@ class WorkerState:
     assignment: Assignment | None = None
     standby: Standby | None = None  # prepared for one function (runtime.assignment), until assigned
     assigning: bool = False  # an assign or a standby is being prepared
+    early: EarlyRequests = field(default_factory=EarlyRequests)  # requests held for the assign
     sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
     # This worker's end of its socketpair with the agent's token scheduler (runtime.mesh).
     mesh_sock: socket.socket | None = None
@@ -262,21 +266,36 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(500, "function_init_failed", f"{type(exc).__name__}: {exc}")
         finally:
             state.assigning = False
+            state.early.ended()
 
-    def serving() -> Assignment | JSONResponse:
+    async def serving(raw: Request) -> Assignment | JSONResponse:
+        """The instance to serve ``raw`` with: a request sent before the activation of the
+        instance it names ended waits for it (:mod:`runtime.early_requests`)."""
         a = state.assignment
-        return a if a is not None else _error(409, "not_assigned", "this worker serves no function yet")
+        instance_id = raw.headers.get(INSTANCE_HEADER)
+        if instance_id is None:
+            return a if a is not None else _error(409, "not_assigned", "this worker serves no function yet")
+        if a is None and await state.early.hold(raw.headers.get("x-ember-deadline")):
+            a = state.assignment
+        if a is None or a.instance_id != instance_id:
+            why = f"instance {instance_id} did not start here; the request never ran"
+            return _error(503, NOT_STARTED, why)
+        return a
 
     async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
-        a = serving()
-        if isinstance(a, JSONResponse):
-            return a
+        # Read and parse first: a request held for the activation (serving) is ready when it ends.
         if body is None:
             body = await _json(raw)
             if isinstance(body, JSONResponse):
                 return body
         try:
             request = await parse_request_async(body, chat)
+        except RequestError as exc:
+            return _bad_request(exc)
+        a = await serving(raw)
+        if isinstance(a, JSONResponse):
+            return a
+        try:
             prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
             return _bad_request(exc)
@@ -332,12 +351,12 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/invoke")
     async def invoke(raw: Request) -> Any:
-        a = serving()
-        if isinstance(a, JSONResponse):
-            return a
         event = await _json(raw)
         if isinstance(event, JSONResponse):
             return event
+        a = await serving(raw)
+        if isinstance(a, JSONResponse):
+            return a
         if a.runner is None:  # the default handler: an event is a chat or a completion request
             if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
                 return _error(

@@ -14,7 +14,9 @@ never move): each refusal in a row doubles the pause before the next try
 (:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs a
 pre-warmed worker process. An instance deleted while it started is stopped; one that cannot
 be recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can
-route to.
+route to. While a launch runs, the process it activates the instance in (``on_target`` of
+:meth:`~scheduler.launcher.BaseLauncher.launch`) is an :class:`EarlyTarget` of the function
+(:meth:`~ColdStarter.targets`), until the launch ends either way.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from scheduler.errors import SchedulerError, StartFailed, StateConflict
 from scheduler.launcher import NO_ROOM, BaseLauncher, StartedInstance
@@ -35,6 +38,15 @@ log = logging.getLogger("ember.scheduler")
 
 DEFAULT_DISK_BANDWIDTH = 2e9  # bytes/s assumed for a device whose pool measured no load yet
 NO_ROOM_PAUSE_S = 0.25  # the pause after a second refusal for room in a row (doubling after)
+
+
+class EarlyTarget(NamedTuple):
+    """The process an instance is being activated in: requests may go there before it is ready
+    (the worker holds them until its activation ends; see BaseLauncher.launch)."""
+
+    instance_id: str
+    url: str
+    token: str
 
 
 class ColdStarter:
@@ -61,6 +73,7 @@ class ColdStarter:
         self._failures: dict[str, tuple[float, str]] = {}  # name -> (epoch s, why) of its last failed start
         self._launching: set[str] = set()  # instance ids whose start this gateway is running
         self._no_room: dict[str, tuple[float, int]] = {}  # name -> (monotonic s, refusals in a row)
+        self._targets: dict[str, dict[str, EarlyTarget]] = {}  # name -> instance id -> its process
 
     def failure(self, name: str) -> tuple[float, str] | None:
         """When (epoch seconds) and why the last start of ``name`` failed (None once one succeeds)."""
@@ -79,6 +92,20 @@ class ColdStarter:
             return 0.0
         pause = min(self.start_backoff_s, NO_ROOM_PAUSE_S * 2.0 ** (refused[1] - 2))
         return max(0.0, refused[0] + pause - time.monotonic())
+
+    def targets(self, name: str) -> list[EarlyTarget]:
+        """The instances of ``name`` this gateway is activating that take requests already
+        (:meth:`scheduler.router.Router.route` claims their slots with
+        :meth:`ClusterState.claim_starting`)."""
+        return list(self._targets.get(name, {}).values())
+
+    def withdraw(self, name: str, instance_id: str) -> None:
+        """``instance_id`` takes no more requests early (its activation ended, or it is full)."""
+        targets = self._targets.get(name)
+        if targets is not None:
+            targets.pop(instance_id, None)
+            if not targets:
+                del self._targets[name]
 
     def launching(self, instance_id: str) -> bool:
         """Whether this gateway is starting ``instance_id`` now."""
@@ -165,13 +192,21 @@ class ColdStarter:
     ) -> None:
         keep_alive = record.scaling.keep_alive_s
         t0 = time.perf_counter()
+
+        def on_target(url: str, token: str) -> None:  # see BaseLauncher.launch
+            self._targets.setdefault(name, {})[instance_id] = EarlyTarget(instance_id, url, token)
+            self._notify(name)
+
         try:
             if record.model is None:  # place() checked it before the instance was created
                 raise StartFailed("the function's model is not registered yet; deploy it again")
             # The launcher (runtime/) takes plain documents: it does not import the scheduler.
-            started = await self.launcher.launch(
-                instance_id, record.spec, record.model.encode(), device, deadline
-            )
+            try:
+                started = await self.launcher.launch(
+                    instance_id, record.spec, record.model.encode(), device, deadline, on_target
+                )
+            finally:  # activated or failed: requests route to it through Redis now, or not at all
+                self.withdraw(name, instance_id)
         except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
             no_room = getattr(exc, "code", None) == NO_ROOM
             log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)

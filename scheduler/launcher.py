@@ -7,12 +7,22 @@ scheduler, which keeps the dependency direction ``gateway -> scheduler`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 # The ``code`` of the exception a launch raises when the device's pool had no room for the
 # model next to what others pin (the scheduler places again instead of failing the function).
 NO_ROOM = "no_room"
+# The error ``code`` of a worker's answer to a request sent to it before its activation ended
+# (see BaseLauncher.launch's ``on_target``) when that activation failed: the request never ran.
+NOT_STARTED = "not_started"
+# The request header that names the instance such a request is for.
+INSTANCE_HEADER = "x-ember-instance-id"
+# The most requests a worker holds for its activation (the others wait for the instance to be ready).
+MAX_EARLY = 64
+
+# (url, credential) of the process a launch is activating: see BaseLauncher.launch.
+OnTarget = Callable[[str, str], None]
 
 
 class StartedInstance(Protocol):
@@ -44,11 +54,20 @@ class BaseLauncher(Protocol):
         ...
 
     async def launch(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
     ) -> StartedInstance:
         """Start ``instance_id`` of the function ``spec`` with ``model`` on ``device_id``; a
         failure for lack of room in the device's pool raises an exception whose ``code`` is
-        :data:`NO_ROOM`."""
+        :data:`NO_ROOM`. ``on_target(url, token)``, when given, is told the process the
+        instance is being activated in before the activation ends (again if another process is
+        tried): a request sent there with :data:`INSTANCE_HEADER` is held until the activation
+        ends, then served, or answered 503 :data:`NOT_STARTED` (it never ran) if it failed."""
         ...
 
     async def stop(self, instance_id: str, standby: bool = False) -> None:

@@ -65,7 +65,7 @@ class Leases:
         lease = held.pop()
         if lease.timer is not None:
             lease.timer.cancel()
-        return lease.route._replace(cold=False, waited_s=0.0)
+        return lease.route._replace(cold=False, waited_s=0.0, early=False)
 
     def _expire(self, name: str, lease: _Lease) -> None:
         held = self._held.get(name, [])

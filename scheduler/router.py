@@ -24,7 +24,12 @@ held it counts as in flight for other gateways, which therefore route around it 
 as if it were busy.
 
 Starting an instance (placement, launch, recording it ready, remembering a failed start) is
-:mod:`scheduler.cold_start`. A lost instance (a request's connection to it broke, or reconcile
+:mod:`scheduler.cold_start`. Once the launcher has named the process an instance is being
+activated in, a waiting request takes one of its slots while it is still ``starting``
+(:meth:`ClusterState.claim_starting`; counted in Redis, so it carries over to ``ready``) and is
+sent there at once: an *early* route, which the worker holds until the activation ends
+(:mod:`runtime.early_requests`). Recording the instance ready and waking the waiters are then
+off the request's path. A lost instance (a request's connection to it broke, or reconcile
 found its process dead) goes through one place, :meth:`Router.instance_lost`. Reconcile's
 steps are named methods: :meth:`~Router.release_pending`, :meth:`~Router.expire_idle`,
 :meth:`~Router.forget_dead`, :meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -46,7 +52,7 @@ from typing import Any, NamedTuple
 
 from scheduler.cold_start import ColdStarter
 from scheduler.errors import Rejected, SchedulerError, StartFailed, StateConflict, StateUnavailable
-from scheduler.launcher import BaseLauncher, StartedInstance
+from scheduler.launcher import MAX_EARLY, BaseLauncher, StartedInstance
 from scheduler.leases import Leases
 from scheduler.policies import desired_instances, should_reject
 from scheduler.records import FunctionRecord, Instance
@@ -106,6 +112,9 @@ class Route(NamedTuple):
     cold: bool  # the request waited for an instance to start
     waited_s: float
     token: str = ""  # the instance's credential: every request to ``url`` carries it
+    # The instance is still being activated: the request names it (INSTANCE_HEADER) and the
+    # worker holds it until the activation ends.
+    early: bool = False
 
 
 class Router:
@@ -161,6 +170,9 @@ class Router:
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
+                early = await self._claim_early(name, concurrency)
+                if early is not None:
+                    return early._replace(waited_s=time.monotonic() - t0)
                 hit = await on_loop(
                     lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
                 )
@@ -178,6 +190,17 @@ class Router:
                     await asyncio.wait_for(event.wait(), min(self.config.poll_s, left))
         finally:
             self._waiting[name] -= 1
+
+    async def _claim_early(self, name: str, concurrency: int) -> Route | None:
+        """A slot of an instance this gateway is activating, or None (see the module docstring)."""
+        for target in self.starter.targets(name):
+            slots = min(concurrency, MAX_EARLY)  # what the worker holds; the others wait for ready
+            claim = functools.partial(self.state.claim_starting, target.instance_id, slots)
+            claimed = await on_loop(claim)
+            if claimed:
+                return Route(target.instance_id, target.url, True, 0.0, target.token, early=True)
+            self.starter.withdraw(name, target.instance_id)  # full, or no longer starting
+        return None
 
     async def done(
         self, name: str, route: Route, keep_alive_s: float, service_s: float, reusable: bool = True

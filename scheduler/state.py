@@ -137,6 +137,17 @@ redis.call('HINCRBY', ARGV[1] .. 'instance:' .. best, 'in_flight', 1)
 return {best, best_url, best_token}
 """
 
+# Route a request to a starting instance that this gateway is activating (it holds the request
+# until its activation ends). KEYS: instance hash. ARGV: concurrency. 1 claimed, 0 full, -1 not
+# starting (ready: routed as usual; gone: its start failed).
+_CLAIM_STARTING = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'in_flight')
+if f[1] ~= 'starting' then return -1 end
+if tonumber(f[2]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
+return 1
+"""
+
 # A request finished on KEYS[1]; ARGV: keep-alive deadline to set when it goes idle.
 # An instance already forgotten stays forgotten (HINCRBY would recreate its hash).
 _RELEASE = """
@@ -196,6 +207,7 @@ class ClusterState:
         self._transition = client.register_script(_TRANSITION)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
+        self._claim_starting = client.register_script(_CLAIM_STARTING)
         self._expire = client.register_script(_EXPIRE)
         self._refresh = client.register_script(_REFRESH)
         self._prune = client.register_script(_PRUNE)
@@ -409,6 +421,14 @@ class ClusterState:
         args: list[str | int] = [self.p, concurrency, "pack" if pack else "spread"]
         result = self._once_or_retry(lambda: self._acquire(keys=keys, args=args), retry)
         return Slot(str(result[0]), str(result[1]), str(result[2])) if result else None
+
+    def claim_starting(self, instance_id: str, concurrency: int, retry: bool = True) -> bool | None:
+        """Take a slot of a ``starting`` instance (the gateway sends the request while the
+        instance activates; its in-flight count carries over to ``ready``): True when taken,
+        False when its ``concurrency`` slots are taken, None when it is no longer starting."""
+        keys = [f"{self.p}instance:{instance_id}"]
+        result = int(self._once_or_retry(lambda: self._claim_starting(keys=keys, args=[concurrency]), retry))
+        return None if result < 0 else result == 1
 
     def release(
         self, instance_id: str, keep_alive_s: float, now: float | None = None, retry: bool = True

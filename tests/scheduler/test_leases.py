@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.launcher import StartedInstance
+from scheduler.launcher import OnTarget, StartedInstance
 from scheduler.records import FunctionRecord
 from scheduler.router import Route, Router, RouterConfig
 from scheduler.state import ClusterState
@@ -29,7 +29,13 @@ class RoutingOnlyLauncher:
         return [DEVICE]
 
     async def launch(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
     ) -> StartedInstance:
         raise RuntimeError("this gateway starts no instances")
 

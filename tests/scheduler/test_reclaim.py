@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from scheduler.errors import Rejected
-from scheduler.launcher import NO_ROOM
+from scheduler.launcher import NO_ROOM, OnTarget
 from scheduler.records import ModelRef
 from scheduler.router import Router, RouterConfig
 from scheduler.state import ClusterState
@@ -74,7 +74,13 @@ class BookkeepingLauncher:
         return True
 
     async def launch(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
     ) -> Started:
         self.launches += 1
         if self.refuse or not self._make_room(model["id"], model["weight_bytes"]):
@@ -234,7 +240,13 @@ class CountingLauncher(BookkeepingLauncher):
     most = 0
 
     async def launch(
-        self, instance_id: str, spec: dict[str, Any], model: dict[str, Any], device_id: str, deadline: float
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
     ) -> Started:
         await asyncio.sleep(0.05)
         started = await super().launch(instance_id, spec, model, device_id, deadline)

@@ -1,0 +1,62 @@
+"""Requests that reach a worker before its activation ended (pipelined activation).
+
+The gateway sends a request to the worker an instance is being activated in as soon as the
+agent has picked that worker (``on_target`` of :meth:`runtime.agent.NodeAgent.launch`), so the
+request's trip, connection and parsing overlap the activation instead of following it. Such a
+request names its instance in :data:`INSTANCE_HEADER`. The worker holds it until an assign
+ends: it is served when the worker became that instance, and otherwise answered 503
+:data:`NOT_STARTED`, which tells the gateway it never ran, so the gateway routes it again and
+delivery stays at most once. Held requests are bounded in number (:data:`MAX_HELD`) and time
+(the request's deadline, at most :data:`MAX_HOLD_S`); one past either bound is answered
+:data:`NOT_STARTED` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+# The same values as scheduler.launcher's (the runtime does not import the scheduler).
+INSTANCE_HEADER = "x-ember-instance-id"
+NOT_STARTED = "not_started"
+MAX_HELD = 64  # requests held at once by one worker (the scheduler sends at most MAX_EARLY)
+MAX_HOLD_S = 60.0  # the longest a request waits for its instance's activation (s)
+
+
+class EarlyRequests:
+    """The requests one worker holds until its current assign ends."""
+
+    def __init__(self, max_held: int = MAX_HELD, max_hold_s: float = MAX_HOLD_S) -> None:
+        if max_held < 1 or max_hold_s <= 0:
+            raise ValueError("max_held must be >= 1 and max_hold_s > 0")
+        self.max_held = max_held
+        self.max_hold_s = max_hold_s
+        self.num_held = 0
+        self._ended = asyncio.Event()
+
+    def ended(self) -> None:
+        """An assign (or a standby's preparation) ended, either way: wake every held request."""
+        self._ended.set()
+        self._ended = asyncio.Event()
+
+    async def hold(self, deadline: str | None) -> bool:
+        """Wait for the next assign to end; False (at once) when :data:`MAX_HELD` requests are
+        held already, or when ``deadline`` (the request's ``x-ember-deadline``, epoch seconds)
+        or :data:`MAX_HOLD_S` passes first."""
+        if self.num_held >= self.max_held:
+            return False
+        timeout_s = self.max_hold_s
+        if deadline is not None:
+            with contextlib.suppress(ValueError):  # not a number: the longest hold
+                timeout_s = min(timeout_s, float(deadline) - time.time())
+        if not timeout_s > 0:  # also NaN
+            return False
+        self.num_held += 1
+        try:
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self.num_held -= 1
+        return True

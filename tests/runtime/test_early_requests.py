@@ -1,0 +1,163 @@
+"""Requests sent to a worker before its activation ended (pipelined activation): the worker
+holds one that names its instance until the assign ends, then serves it, or answers 503
+``not_started`` (it never ran) when the worker did not become that instance. Bounds of the
+hold without processes; the rest with a real agent, pool daemon and ``python -m runtime``
+workers serving the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NOT_STARTED, EarlyRequests
+from runtime.worker_guard import TOKEN_HEADER
+from scheduler import launcher
+from tests.runtime.test_agent_workers import spec, wait_warm
+from tests.runtime.test_standby import FLAKY, PROMPT, complete, custom_function, started_agent, wait_standby
+from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+
+
+def test_the_runtime_and_the_scheduler_agree_on_the_wire_names() -> None:
+    ours = (INSTANCE_HEADER, NOT_STARTED, MAX_HELD)
+    assert ours == (launcher.INSTANCE_HEADER, launcher.NOT_STARTED, launcher.MAX_EARLY)
+
+
+def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
+    async def scenario() -> None:
+        early = EarlyRequests(max_held=2, max_hold_s=5.0)
+        first = asyncio.ensure_future(early.hold(None))
+        second = asyncio.ensure_future(early.hold(f"{time.time() + 5:.3f}"))
+        await asyncio.sleep(0.05)
+        assert early.num_held == 2
+        assert await early.hold(None) is False  # a third: over max_held, answered at once
+        early.ended()
+        assert await first is True and await second is True and early.num_held == 0
+        # A deadline already past, or one that passes first, ends the hold with False.
+        assert await early.hold(f"{time.time() - 1:.3f}") is False
+        t0 = time.monotonic()
+        assert await early.hold(f"{time.time() + 0.1:.3f}") is False
+        assert 0.05 < time.monotonic() - t0 < 2.0 and early.num_held == 0
+        assert await early.hold("nan") is False
+        # A deadline that is not a number holds for max_hold_s at most.
+        quick = EarlyRequests(max_hold_s=0.05)
+        assert await quick.hold("soon") is False
+        later = asyncio.ensure_future(quick.hold(None))
+        await asyncio.sleep(0)
+        quick.ended()
+        assert await later is True
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError):
+        EarlyRequests(max_held=0)
+    with pytest.raises(ValueError):
+        EarlyRequests(max_hold_s=0.0)
+
+
+class EarlyRequest:
+    """A completion sent on a raw socket from ``on_target`` itself, so its bytes are in the
+    worker's socket before the agent sends the assign (the worker is idle: it reads them first)."""
+
+    def __init__(self, instance_id: str, path: str = "/v1/completions", body: Any = PROMPT) -> None:
+        self.instance_id = instance_id
+        self.path = path
+        self.body = json.dumps(body).encode()
+        self.sock: socket.socket | None = None
+        self.targets: list[str] = []
+
+    def __call__(self, url: str, token: str) -> None:
+        self.targets.append(url)
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nhost: {parts.hostname}\r\ncontent-type: application/json\r\n"
+            f"{TOKEN_HEADER}: {token}\r\n{INSTANCE_HEADER}: {self.instance_id}\r\n"
+            f"x-ember-deadline: {time.time() + 60:.3f}\r\ncontent-length: {len(self.body)}\r\n"
+            "connection: close\r\n\r\n"
+        )
+        self.sock.sendall(head.encode() + self.body)
+
+    async def answer(self) -> tuple[int, dict[str, Any]]:
+        """The response's status and JSON body."""
+        sock = self.sock
+        assert sock is not None, "on_target was never told a worker"
+
+        def read() -> bytes:
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            sock.close()
+            return b"".join(chunks)
+
+        raw = await asyncio.to_thread(read)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.slow
+def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    source = str(tmp_path / "tiny.gguf")
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", source) as (agent, model, device):
+            document = spec("tiny", {"source": source})
+            await wait_warm(agent, 1)
+            # A pre-warmed worker's assign: the request came first and was held.
+            early = EarlyRequest("1")
+            first = await agent.launch("1", document, model, device, time.time() + 120, early)
+            assert early.targets == [first.url]
+            status, body = await early.answer()
+            assert status == 200, body
+            expected = await complete(first.url, first.token)
+            assert body["choices"][0]["text"] == expected
+
+            # A standby's activation, the common resident cold start: the same.
+            await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await wait_standby(agent, 1)
+            early = EarlyRequest("2")
+            second = await agent.launch("2", document, model, device, time.time() + 120, early)
+            assert "activate_ms" in second.timings_ms and early.targets == [second.url]
+            status, body = await early.answer()
+            assert status == 200, body
+            assert body["choices"][0]["text"] == expected
+
+            # A request that names another instance never runs here.
+            await wait_warm(agent, 1)
+            early = EarlyRequest("not-this-one")
+            third = await agent.launch("3", document, model, device, time.time() + 120, early)
+            status, body = await early.answer()
+            assert status == 503 and body["error"]["type"] == NOT_STARTED, body
+            assert await complete(third.url, third.token) == expected
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_request_held_by_a_failed_activation_is_answered_that_it_never_ran(tmp_path: Path) -> None:
+    home, document, source = custom_function(tmp_path, "flaky", FLAKY)
+
+    async def scenario() -> None:
+        async with started_agent(home, source) as (agent, model, device):
+            await wait_warm(agent, 1)
+            await agent.launch("1", document, model, device, time.time() + 120)
+            await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await wait_standby(agent, 1)
+            # The standby's initializer fails: the worker is ended, and the request it held
+            # is told it never ran (the gateway routes it again) before the connection closes.
+            early = EarlyRequest("2", "/invoke", {"x": 1})
+            with pytest.raises(Exception, match="initializer fails"):
+                await agent.launch("2", document, model, device, time.time() + 120, early)
+            status, body = await early.answer()
+            assert status == 503 and body["error"]["type"] == NOT_STARTED, body
+
+    asyncio.run(scenario())

@@ -1,0 +1,154 @@
+"""Early routes (pipelined activation) against a real redis-server: once the launcher names
+the process an instance is being activated in, a waiting request takes a slot of the still
+``starting`` instance and goes there at once; the slot is counted in Redis before the instance
+is ready and carries over to ``ready``; a start that fails leaves nothing counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from scheduler.errors import StartFailed
+from scheduler.launcher import MAX_EARLY, OnTarget
+from scheduler.records import FunctionRecord, ModelRef
+from scheduler.router import Router, RouterConfig
+from scheduler.state import ClusterState
+from tests.scheduler.test_reclaim import DEVICE, BookkeepingLauncher, Started, deploy
+
+
+def test_a_starting_instance_gives_slots_up_to_its_concurrency(state: ClusterState) -> None:
+    instance_id = state.scale_up("f", 1, DEVICE)
+    assert instance_id is not None
+    assert state.claim_starting(instance_id, 2) is True
+    assert state.claim_starting(instance_id, 2) is True
+    assert state.claim_starting(instance_id, 2) is False  # full
+    # Ready keeps what was counted; an early route is then no longer given.
+    state.transition(instance_id, "starting", "ready", url="http://127.0.0.1:9", deadline=time.time() + 30)
+    (inst,) = state.instances("f")
+    assert inst.state == "ready" and inst.in_flight == 2
+    assert state.claim_starting(instance_id, 8) is None
+    assert state.acquire_slot("f", 2) is None  # both slots are held
+    assert state.release(instance_id, 30.0) == 1
+    # A forgotten (failed) start gives nothing, and a late release does not bring it back.
+    state.forget_from("f", instance_id, "ready")
+    assert state.claim_starting(instance_id, 8) is None
+    assert state.release(instance_id, 30.0) == -1
+    assert state.instances("f") == []
+
+
+class ActivatingLauncher(BookkeepingLauncher):
+    """Names the process at once (``on_target``), then activates until ``finish`` is set; with
+    ``fail``, the activation fails then."""
+
+    def __init__(self, state: ClusterState, fail: bool = False) -> None:
+        super().__init__(state, capacity=1 << 30)
+        self.fail = fail
+        self.finish = asyncio.Event()
+
+    async def launch(
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
+    ) -> Started:
+        assert on_target is not None, "the cold starter always asks for the target"
+        on_target(f"http://127.0.0.1:9/{instance_id}", f"token-{instance_id}")
+        await self.finish.wait()
+        if self.fail:
+            raise RuntimeError("the activation failed")
+        return await super().launch(instance_id, spec, model, device_id, deadline)
+
+
+def test_a_waiting_request_goes_to_the_instance_being_activated(state: ClusterState) -> None:
+    deploy(state, "f", 1 << 20)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state)
+        router = Router(state, launcher, RouterConfig(lease_s=5.0))
+        try:
+            first = await asyncio.wait_for(router.route("f", record, time.time() + 30), 10)
+            # Routed before the activation ended: to its process, with its credential.
+            assert first.early and first.cold and not launcher.finish.is_set()
+            assert first.url == f"http://127.0.0.1:9/{first.instance_id}"
+            assert first.token == f"token-{first.instance_id}"
+            (inst,) = state.instances("f")
+            assert inst.state == "starting" and inst.in_flight == 1
+            # Concurrency 1: the next request waits for the slot, not for another early route.
+            second = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            await asyncio.sleep(0.2)
+            assert not second.done()
+            launcher.finish.set()
+            while state.instances("f")[0].state != "ready":
+                await asyncio.sleep(0.01)
+            assert state.instances("f")[0].in_flight == 1  # the early request's slot carried over
+            # The early request ends: its slot is leased as an ordinary one to the next request.
+            await router.done("f", first, 30.0, 0.01)
+            routed = await asyncio.wait_for(second, 10)
+            assert routed.instance_id == first.instance_id and not routed.early
+            await router.done("f", routed, 30.0, 0.01, reusable=False)
+            assert state.instances("f")[0].in_flight == 0
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_activation_leaves_no_slot_and_fails_the_waiting_requests(state: ClusterState) -> None:
+    deploy(state, "f", 1 << 20)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state, fail=True)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0))
+        try:
+            early = await asyncio.wait_for(router.route("f", record, time.time() + 30), 10)
+            assert early.early
+            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            await asyncio.sleep(0.1)
+            launcher.finish.set()
+            with pytest.raises(StartFailed, match="the activation failed"):
+                await asyncio.wait_for(waiting, 10)
+            assert state.instances("f") == []
+            # The worker told the early request it never ran: its slot is freed, nothing is
+            # recreated, and no early route is left to take.
+            await router.done("f", early, 30.0, 0.01, reusable=False)
+            assert state.instances("f") == [] and router.starter.targets("f") == []
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_no_more_requests_go_early_than_a_worker_holds(state: ClusterState) -> None:
+    scaling = {"concurrency": 1000, "minScale": 0, "maxScale": 1, "keepAlive": "60s"}
+    state.put_function("f", {"spec": {"scaling": scaling}}, ModelRef("m-f", "/models/f", 1 << 20))
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0))
+        try:
+            routes = [
+                asyncio.ensure_future(router.route("f", record, time.time() + 30))
+                for _ in range(MAX_EARLY + 1)
+            ]
+            while sum(r.done() for r in routes) < MAX_EARLY:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert sum(r.done() for r in routes) == MAX_EARLY  # the last one waits for ready
+            assert all(r.result().early for r in routes if r.done())
+            assert state.instances("f")[0].in_flight == MAX_EARLY
+            launcher.finish.set()
+            last = await asyncio.wait_for(asyncio.gather(*routes), 10)
+            assert not last[-1].early and state.instances("f")[0].in_flight == MAX_EARLY + 1
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
