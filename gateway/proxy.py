@@ -40,7 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.metrics import Metrics
 from runtime.errors import error_body
 from scheduler.errors import FunctionNotFound, SchedulerError
-from scheduler.launcher import INSTANCE_HEADER, NOT_STARTED
+from scheduler.launcher import INSTANCE_HEADER, NEVER_RAN_HEADER
 from scheduler.records import FunctionRecord
 from scheduler.router import Route
 from scheduler.state import ClusterState, on_loop
@@ -57,7 +57,9 @@ class Routing(Protocol):
     starts and scales), :class:`scheduler.knative.targets.ServiceTargets` in cluster mode
     (each function's Knative Service)."""
 
-    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route: ...
+    async def route(
+        self, name: str, record: FunctionRecord, deadline: float, since: float | None = None
+    ) -> Route: ...
 
     async def done(
         self, name: str, route: Route, keep_alive_s: float, service_s: float, reusable: bool = True
@@ -147,6 +149,7 @@ class Invoker:
     ) -> Response:
         """Send ``body`` to ``path`` on an instance of ``name``; returns the response to relay."""
         t0 = time.perf_counter()
+        arrived = time.time()
         record = await self.record(name)
         deadline = self.deadline(timeout)
         request_id = uuid.uuid4().hex
@@ -157,7 +160,7 @@ class Invoker:
         }
         keep_alive = record.scaling.keep_alive_s
         for attempt in range(self.config.connect_retries + 1):
-            route = await self.router.route(name, record, deadline)
+            route = await self.router.route(name, record, deadline, arrived if attempt else None)
             if not route.cold:
                 self.metrics.route.labels(name).observe(time.perf_counter() - t0)
             sent = {**headers, WORKER_TOKEN_HEADER: route.token} if route.token else headers
@@ -165,7 +168,6 @@ class Invoker:
                 sent = {**sent, INSTANCE_HEADER: route.instance_id}
             try:  # returns once the headers are in; the body is read (or relayed) below
                 upstream = await self.http.post(self._url(route.url, path), data=body, headers=sent)
-                never_ran = route.early and await _never_ran(upstream)
             except _NOT_SENT as exc:  # nothing reached the instance: route again
                 await self._lost(name, route, keep_alive)
                 if attempt == self.config.connect_retries:
@@ -187,12 +189,14 @@ class Invoker:
                     self.metrics.errors.labels(name, "instance_failed").inc()
                     raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
                 raise
-            if never_ran:  # its activation failed before it ran the request: route again
-                upstream.release()
+            if route.early and _never_ran(upstream, route.instance_id):  # its activation failed first
+                upstream.close()  # that worker is being ended
                 await self.router.done(name, route, keep_alive, time.perf_counter() - t0, reusable=False)
                 if attempt == self.config.connect_retries:
+                    self.metrics.requests.labels(name, route_label, "502").inc()
+                    self.metrics.errors.labels(name, "instance_failed").inc()
                     raise InvocationError(f"instance {route.instance_id} of {name!r} did not start") from None
-                continue
+                continue  # route again: to the process the launch tries next, or a ready instance
             break
 
         async def finish(status: int, reusable: bool) -> None:
@@ -262,13 +266,11 @@ class Invoker:
         await self.router.instance_lost(name, route, keep_alive)
 
 
-async def _never_ran(upstream: aiohttp.ClientResponse) -> bool:
-    """Whether a worker answered a request it held for its activation with "it never ran"
-    (:data:`scheduler.launcher.NOT_STARTED`). A 503's body is read (a small JSON error; read
-    again from aiohttp's copy when it is relayed); the caller releases the response."""
-    if upstream.status != 503:
-        return False
-    return _error_type(await upstream.read()) == NOT_STARTED
+def _never_ran(upstream: aiohttp.ClientResponse, instance_id: str) -> bool:
+    """Whether a worker answered a request it held for the activation of ``instance_id`` that
+    the request never ran (:data:`scheduler.launcher.NEVER_RAN_HEADER`, with the 503
+    :data:`~scheduler.launcher.NOT_STARTED`)."""
+    return upstream.status == 503 and upstream.headers.get(NEVER_RAN_HEADER) == instance_id
 
 
 def _error_type(content: bytes) -> str:

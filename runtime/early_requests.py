@@ -5,10 +5,12 @@ agent has picked that worker (``on_target`` of :meth:`runtime.agent.NodeAgent.la
 request's trip, connection and parsing overlap the activation instead of following it. Such a
 request names its instance in :data:`INSTANCE_HEADER`. The worker holds it until an assign
 ends: it is served when the worker became that instance, and otherwise answered 503
-:data:`NOT_STARTED`, which tells the gateway it never ran, so the gateway routes it again and
-delivery stays at most once. Held requests are bounded in number (:data:`MAX_HELD`) and time
-(the request's deadline, at most :data:`MAX_HOLD_S`); one past either bound is answered
-:data:`NOT_STARTED` too.
+:data:`NOT_STARTED` with :data:`NEVER_RAN_HEADER` naming the instance, which tells the gateway
+it never ran (a header: no handler's error can say it), so the gateway routes it again and
+delivery stays at most once. Once an assign failed the worker is about to be ended: it holds
+nothing more, and answers every such request so at once. Held requests are bounded in number
+(:data:`MAX_HELD`) and time (the request's deadline, at most :data:`MAX_HOLD_S`); one past
+either bound is answered :data:`NOT_STARTED` too.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import time
 
 # The same values as scheduler.launcher's (the runtime does not import the scheduler).
 INSTANCE_HEADER = "x-ember-instance-id"
+NEVER_RAN_HEADER = "x-ember-never-ran"
 NOT_STARTED = "not_started"
 MAX_HELD = 64  # requests held at once by one worker (the scheduler sends at most MAX_EARLY)
-MAX_HOLD_S = 60.0  # the longest a request waits for its instance's activation (s)
+MAX_HOLD_S = (
+    300.0  # the longest a request waits for its instance's activation (s; the gateway's default timeout)
+)
 
 
 class EarlyRequests:
@@ -33,7 +38,13 @@ class EarlyRequests:
         self.max_held = max_held
         self.max_hold_s = max_hold_s
         self.num_held = 0
+        self.refusing = False  # an assign failed: nothing is held any more
         self._ended = asyncio.Event()
+
+    def refuse(self) -> None:
+        """An assign failed: this worker holds nothing from now on (the agent ends it). The
+        requests it holds are woken by the :meth:`ended` that follows."""
+        self.refusing = True
 
     def ended(self) -> None:
         """An assign (or a standby's preparation) ended, either way: wake every held request."""
@@ -42,9 +53,9 @@ class EarlyRequests:
 
     async def hold(self, deadline: str | None) -> bool:
         """Wait for the next assign to end; False (at once) when :data:`MAX_HELD` requests are
-        held already, or when ``deadline`` (the request's ``x-ember-deadline``, epoch seconds)
-        or :data:`MAX_HOLD_S` passes first."""
-        if self.num_held >= self.max_held:
+        held already or an assign failed, or when ``deadline`` (the request's
+        ``x-ember-deadline``, epoch seconds) or :data:`MAX_HOLD_S` passes first."""
+        if self.refusing or self.num_held >= self.max_held:
             return False
         timeout_s = self.max_hold_s
         if deadline is not None:

@@ -44,7 +44,7 @@ from starlette.background import BackgroundTask
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
-from runtime.early_requests import INSTANCE_HEADER, NOT_STARTED, EarlyRequests
+from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
 from runtime.engine.engine import Engine
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body
@@ -220,14 +220,18 @@ def build_app(state: WorkerState) -> FastAPI:
         async def become() -> Response:
             message = AssignMessage.from_json(await raw.body())
             standby, state.standby = state.standby, None
-            if standby is None:
-                state.assignment, reply = await assign(state, message)
-            else:
-                try:
-                    state.assignment, reply = await activate(standby, message)
-                except StandbyMismatch:
-                    state.standby = standby  # untouched: the agent ends this worker
-                    raise
+            try:
+                if standby is None:
+                    state.assignment, reply = await assign(state, message)
+                else:
+                    try:
+                        state.assignment, reply = await activate(standby, message)
+                    except StandbyMismatch:
+                        state.standby = standby  # untouched: the agent ends this worker
+                        raise
+            except BaseException:  # the agent ends this worker: it holds no request from now on
+                state.early.refuse()
+                raise
             state.schedule_tokens(message)
             # The KV blocks a first request would fetch from the pool (a round trip on its path,
             # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
@@ -279,23 +283,21 @@ def build_app(state: WorkerState) -> FastAPI:
             a = state.assignment
         if a is None or a.instance_id != instance_id:
             why = f"instance {instance_id} did not start here; the request never ran"
-            return _error(503, NOT_STARTED, why)
+            response = _error(503, NOT_STARTED, why)
+            response.headers[NEVER_RAN_HEADER] = instance_id
+            return response
         return a
 
     async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
-        # Read and parse first: a request held for the activation (serving) is ready when it ends.
+        a = await serving(raw)
+        if isinstance(a, JSONResponse):
+            return a
         if body is None:
             body = await _json(raw)
             if isinstance(body, JSONResponse):
                 return body
         try:
             request = await parse_request_async(body, chat)
-        except RequestError as exc:
-            return _bad_request(exc)
-        a = await serving(raw)
-        if isinstance(a, JSONResponse):
-            return a
-        try:
             prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
             return _bad_request(exc)
@@ -351,12 +353,12 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/invoke")
     async def invoke(raw: Request) -> Any:
-        event = await _json(raw)
-        if isinstance(event, JSONResponse):
-            return event
         a = await serving(raw)
         if isinstance(a, JSONResponse):
             return a
+        event = await _json(raw)
+        if isinstance(event, JSONResponse):
+            return event
         if a.runner is None:  # the default handler: an event is a chat or a completion request
             if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
                 return _error(

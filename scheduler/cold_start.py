@@ -99,13 +99,16 @@ class ColdStarter:
         :meth:`ClusterState.claim_starting`)."""
         return list(self._targets.get(name, {}).values())
 
-    def withdraw(self, name: str, instance_id: str) -> None:
-        """``instance_id`` takes no more requests early (its activation ended, or it is full)."""
-        targets = self._targets.get(name)
-        if targets is not None:
-            targets.pop(instance_id, None)
-            if not targets:
-                del self._targets[name]
+    def withdraw(self, name: str, instance_id: str, url: str | None = None) -> None:
+        """``instance_id`` takes no more requests early (its activation ended, or it is full);
+        with ``url``, only if that is still its process (not one the launch tried since)."""
+        targets = self._targets.get(name, {})
+        target = targets.get(instance_id)
+        if target is None or (url is not None and target.url != url):
+            return
+        del targets[instance_id]
+        if not targets:
+            del self._targets[name]
 
     def launching(self, instance_id: str) -> bool:
         """Whether this gateway is starting ``instance_id`` now."""

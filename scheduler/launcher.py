@@ -16,8 +16,10 @@ NO_ROOM = "no_room"
 # The error ``code`` of a worker's answer to a request sent to it before its activation ended
 # (see BaseLauncher.launch's ``on_target``) when that activation failed: the request never ran.
 NOT_STARTED = "not_started"
-# The request header that names the instance such a request is for.
+# The request header that names the instance such a request is for, and the response header
+# (naming it too) of that 503: only the worker's hold sets it, no handler's error can.
 INSTANCE_HEADER = "x-ember-instance-id"
+NEVER_RAN_HEADER = "x-ember-never-ran"
 # The most requests a worker holds for its activation (the others wait for the instance to be ready).
 MAX_EARLY = 64
 

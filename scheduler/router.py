@@ -150,8 +150,12 @@ class Router:
 
     # ----- routing --------------------------------------------------------------------------
 
-    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route:
-        """An instance for one request of ``name`` (see module docstring)."""
+    async def route(
+        self, name: str, record: FunctionRecord, deadline: float, since: float | None = None
+    ) -> Route:
+        """An instance for one request of ``name`` (see module docstring). ``since`` (epoch s):
+        when the request arrived, for a request routed again; a start that failed since then
+        fails it (with the start's reason) instead of starting another."""
         leased = self.leases.take(name)
         if leased is not None:
             return leased
@@ -163,21 +167,21 @@ class Router:
         if hit is not None:
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
         t0 = time.monotonic()
-        asked = time.time()
+        asked = time.time() if since is None else since
         self._waiting[name] = self._waiting.get(name, 0) + 1
         try:
             while True:
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                early = await self._claim_early(name, concurrency)
-                if early is not None:
-                    return early._replace(waited_s=time.monotonic() - t0)
                 hit = await on_loop(
                     lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
                 )
                 if hit is not None:
                     return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
+                early = await self._claim_early(name, concurrency)  # a ready slot goes first
+                if early is not None:
+                    return early._replace(waited_s=time.monotonic() - t0)
                 failed = self.starter.failure(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
@@ -207,10 +211,14 @@ class Router:
     ) -> None:
         """A request finished on ``route``: its slot is leased for the next request of ``name``
         (``lease_s``), or freed at once when not ``reusable`` (the request failed) or leases
-        are off or full; either way the keep-alive clock restarts when the slot is freed."""
+        are off or full; either way the keep-alive clock restarts when the slot is freed. An
+        early route's slot is never leased (its instance may still be activating, and only a
+        request naming it is held there); one that failed withdraws its process as a target."""
         old = self._service_s.get(name)
         self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
-        if not (reusable and self.leases.lease(name, route, keep_alive_s)):
+        if route.early and not reusable:
+            self.starter.withdraw(name, route.instance_id, route.url)
+        if not (reusable and not route.early and self.leases.lease(name, route, keep_alive_s)):
             await self.release(route, keep_alive_s)
         self._notify(name)
 

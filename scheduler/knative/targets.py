@@ -29,7 +29,9 @@ class ServiceTargets:
         self.tokens = tokens
         self._routes: dict[str, Route] = {}
 
-    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route:
+    async def route(
+        self, name: str, record: FunctionRecord, deadline: float, since: float | None = None
+    ) -> Route:
         """The Service of function ``name`` (a qualified id); never waits: Knative's activator
         holds the request while the Service scales from zero."""
         route = self._routes.get(name)

@@ -1,7 +1,9 @@
 """At-most-once delivery with early routes (pipelined activation): a request sent to an
 instance still being activated names it, and only there does the worker's 503 ``not_started``
-(the activation failed: the request never ran) make the gateway route the request again. Any
-other answer, and that answer from an ordinary route, is relayed as it is. Real sockets: an
+with the never-ran header naming that instance (the activation failed: the request never ran)
+make the gateway route the request again. Any other answer (a 503 ``not_started`` body alone,
+as a handler's error could carry, or the header naming another instance), and any answer
+from an ordinary route, is relayed as it is. Real sockets: an
 HTTP server stands in for the workers' side of the wire, a real redis-server holds the record."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from aiohttp import web
 from gateway.metrics import Metrics
 from gateway.proxy import InvocationError, Invoker, ProxyConfig
 from runtime.errors import error_body
-from scheduler.launcher import INSTANCE_HEADER, NOT_STARTED
+from scheduler.launcher import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
 from scheduler.records import FunctionRecord
 from scheduler.router import Route
 from scheduler.state import ClusterState
@@ -30,8 +32,12 @@ class ScriptedRouting:
     def __init__(self, routes: list[Route]) -> None:
         self.routes = routes
         self.done_calls: list[tuple[str, bool]] = []  # (instance id, reusable)
+        self.since: list[float | None] = []  # what each route() was told
 
-    async def route(self, name: str, record: FunctionRecord, deadline: float) -> Route:
+    async def route(
+        self, name: str, record: FunctionRecord, deadline: float, since: float | None = None
+    ) -> Route:
+        self.since.append(since)
         return self.routes.pop(0)
 
     async def done(
@@ -48,17 +54,22 @@ class ScriptedRouting:
 
 @asynccontextmanager
 async def workers() -> AsyncIterator[tuple[str, list[tuple[str, str | None]]]]:
-    """A server whose ``/never/...`` answers 503 ``not_started`` and ``/busy/...`` 503 with
-    another error; ``/ok/...`` answers 200. Yields its URL and the (path, instance header) seen."""
+    """A server whose ``/never/...`` answers as a worker whose activation failed (503
+    ``not_started``, the never-ran header naming the request's instance, or "1"), ``/body/...``
+    the same body without the header, ``/other/...`` the header naming another instance,
+    ``/busy/...`` 503 with another error, and ``/ok/...`` 200. Yields its URL and the (path,
+    instance header) of each request."""
     seen: list[tuple[str, str | None]] = []
 
     async def answer(request: web.Request) -> web.Response:
-        seen.append((request.path, request.headers.get(INSTANCE_HEADER)))
+        instance_id = request.headers.get(INSTANCE_HEADER)
+        seen.append((request.path, instance_id))
         kind = request.path.split("/")[1]
         if kind == "ok":
             return web.json_response({"served_by": request.path})
-        code = NOT_STARTED if kind == "never" else "kv_cache_exhausted"
-        return web.json_response(error_body(code, "no"), status=503)
+        code = "kv_cache_exhausted" if kind == "busy" else NOT_STARTED
+        headers = {"never": {NEVER_RAN_HEADER: instance_id or "1"}, "other": {NEVER_RAN_HEADER: "7"}}
+        return web.json_response(error_body(code, "no"), status=503, headers=headers.get(kind))
 
     app = web.Application()
     app.router.add_post("/{kind}/invoke", answer)
@@ -89,6 +100,9 @@ def test_a_request_that_never_ran_is_routed_again(state: ClusterState) -> None:
                 # The early route named its instance; the slot it held was freed at once.
                 assert seen == [("/never/invoke", "1"), ("/ok/invoke", None)]
                 assert routing.done_calls == [("1", False)]
+                # Routed again as the request it is: a start that failed since it arrived fails it.
+                first, again = routing.since
+                assert first is None and again is not None and again <= time.time()
             finally:
                 await invoker.close()
 
@@ -103,19 +117,23 @@ def test_other_answers_and_ordinary_routes_are_relayed_as_they_are(state: Cluste
             routing = ScriptedRouting(
                 [
                     Route("1", f"{url}/busy", True, 0.0, early=True),  # another 503: relayed
-                    Route("2", f"{url}/never", False, 0.0),  # not early: never re-sent
+                    Route("2", f"{url}/body", True, 0.0, early=True),  # no header: it may have run
+                    Route("3", f"{url}/other", True, 0.0, early=True),  # another instance's header
+                    Route("4", f"{url}/never", False, 0.0),  # not early: never re-sent
                 ]
             )
             invoker = Invoker(state, routing, Metrics(), ProxyConfig())
             try:
-                for expected in ("kv_cache_exhausted", NOT_STARTED):
+                for expected in ("kv_cache_exhausted", NOT_STARTED, NOT_STARTED, NOT_STARTED):
                     response = await invoker.forward("f", "/invoke", b"{}", "invoke", None)
                     assert response.status_code == 503
                     assert json.loads(bytes(response.body))["error"]["type"] == expected
                     assert response.background is not None
                     await response.background()  # the slot is released once relayed
-                assert [path for path, _ in seen] == ["/busy/invoke", "/never/invoke"]
-                assert routing.done_calls == [("1", True), ("2", True)]
+                assert [path for path, _ in seen] == [
+                    f"/{k}/invoke" for k in ("busy", "body", "other", "never")
+                ]
+                assert routing.done_calls == [(i, True) for i in ("1", "2", "3", "4")]
             finally:
                 await invoker.close()
 

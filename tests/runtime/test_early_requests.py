@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NOT_STARTED, EarlyRequests
+from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler import launcher
 from tests.runtime.test_agent_workers import spec, wait_warm
@@ -25,8 +25,9 @@ from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 
 def test_the_runtime_and_the_scheduler_agree_on_the_wire_names() -> None:
-    ours = (INSTANCE_HEADER, NOT_STARTED, MAX_HELD)
-    assert ours == (launcher.INSTANCE_HEADER, launcher.NOT_STARTED, launcher.MAX_EARLY)
+    ours = (INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, MAX_HELD)
+    theirs = (launcher.INSTANCE_HEADER, launcher.NEVER_RAN_HEADER, launcher.NOT_STARTED, launcher.MAX_EARLY)
+    assert ours == theirs
 
 
 def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
@@ -52,6 +53,17 @@ def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
         await asyncio.sleep(0)
         quick.ended()
         assert await later is True
+        # A failed assign wakes the held requests, and nothing is held after it: the worker
+        # is about to be ended, and no assign will come.
+        held = asyncio.ensure_future(early.hold(None))
+        await asyncio.sleep(0)
+        early.refuse()
+        early.ended()
+        assert await held is True and early.refusing
+        t0 = time.monotonic()
+        assert await early.hold(None) is False and time.monotonic() - t0 < 0.5
+        early.ended()  # a later end does not undo it
+        assert await early.hold(None) is False
 
     asyncio.run(scenario())
     with pytest.raises(ValueError):
@@ -85,7 +97,7 @@ class EarlyRequest:
         self.sock.sendall(head.encode() + self.body)
 
     async def answer(self) -> tuple[int, dict[str, Any]]:
-        """The response's status and JSON body."""
+        """The response's status and JSON body (its never-ran header as ``never_ran``)."""
         sock = self.sock
         assert sock is not None, "on_target was never told a worker"
 
@@ -98,7 +110,9 @@ class EarlyRequest:
 
         raw = await asyncio.to_thread(read)
         head, _, body = raw.partition(b"\r\n\r\n")
-        return int(head.split()[1]), json.loads(body)
+        lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        return int(lines[0].split()[1]), {**json.loads(body), "never_ran": headers.get(NEVER_RAN_HEADER)}
 
 
 @pytest.mark.slow
@@ -136,6 +150,7 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             third = await agent.launch("3", document, model, device, time.time() + 120, early)
             status, body = await early.answer()
             assert status == 503 and body["error"]["type"] == NOT_STARTED, body
+            assert body["never_ran"] == "not-this-one"
             assert await complete(third.url, third.token) == expected
 
     asyncio.run(scenario())
@@ -159,5 +174,6 @@ def test_a_request_held_by_a_failed_activation_is_answered_that_it_never_ran(tmp
                 await agent.launch("2", document, model, device, time.time() + 120, early)
             status, body = await early.answer()
             assert status == 503 and body["error"]["type"] == NOT_STARTED, body
+            assert body["never_ran"] == "2"
 
     asyncio.run(scenario())
