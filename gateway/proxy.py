@@ -10,12 +10,13 @@ Delivery is at most once: only a connection that could not be made (nothing was 
 routed again (a dead instance is forgotten). Once the request may have reached the worker, a
 failure is one 502 ``instance_failed`` and the request is never re-sent: a handler that
 crashes its worker runs once. A request on an early route (an instance still being
-activated, :mod:`scheduler.router`) names its instance; the worker's 503 ``not_started`` there
-says the activation failed before the request ran, and only that answer, only on such a route,
-routes the request again. Pooled connections idle at most 30 s, less than the worker's
-keep-alive (``runtime.worker.KEEP_ALIVE_S``), so a request is never written to a connection
-the worker already closed. If the worker dies mid-stream the client gets one ``error`` event
-and ``[DONE]``, as OpenAI streams end on errors. The instance's slot is released in every case.
+activated, :mod:`scheduler.router`) names its instance; the worker's 503 ``not_started`` there,
+with the never-ran header naming that instance, says the activation failed before the request
+ran, and only that answer, only on such a route, routes the request again. Pooled connections
+idle at most 30 s, less than the worker's keep-alive (``runtime.worker.KEEP_ALIVE_S``), so a
+request is never written to a connection the worker already closed. If the worker dies
+mid-stream the client gets one ``error`` event and ``[DONE]``, as OpenAI streams end on
+errors. The instance's slot is released in every case.
 Where a request goes is a :class:`Routing`'s choice: an instance the embedded router runs, or in
 cluster mode the function's Knative Service (its cluster-local URL; Knative picks the pod).
 """

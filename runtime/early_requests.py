@@ -2,7 +2,8 @@
 
 The gateway sends a request to the worker an instance is being activated in as soon as the
 agent has picked that worker (``on_target`` of :meth:`runtime.agent.NodeAgent.launch`), so the
-request's trip, connection and parsing overlap the activation instead of following it. Such a
+request's trip and connection overlap the activation instead of following it, and recording
+the instance ready and waking the waiting requests leave the request's path. Such a
 request names its instance in :data:`INSTANCE_HEADER`. The worker holds it until an assign
 ends: it is served when the worker became that instance, and otherwise answered 503
 :data:`NOT_STARTED` with :data:`NEVER_RAN_HEADER` naming the instance, which tells the gateway
@@ -24,9 +25,8 @@ INSTANCE_HEADER = "x-ember-instance-id"
 NEVER_RAN_HEADER = "x-ember-never-ran"
 NOT_STARTED = "not_started"
 MAX_HELD = 64  # requests held at once by one worker (the scheduler sends at most MAX_EARLY)
-MAX_HOLD_S = (
-    300.0  # the longest a request waits for its instance's activation (s; the gateway's default timeout)
-)
+# The longest a request waits for its instance's activation (s): the gateway's default timeout.
+MAX_HOLD_S = 300.0
 
 
 class EarlyRequests:

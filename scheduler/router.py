@@ -246,6 +246,8 @@ class Router:
         its process is gone, it is forgotten: leases dropped, record removed, process reaped,
         waiting requests woken; returns True. Otherwise a route's slot is freed when
         ``keep_alive_s`` is given (the request is over) and False is returned."""
+        if isinstance(lost, Route) and lost.early:  # that process is gone: no more early routes to it
+            self.starter.withdraw(name, lost.instance_id, lost.url)
         mine = self.launcher.owns(lost.instance_id) or (
             isinstance(lost, Instance) and lost.device in self.launcher.devices()
         )

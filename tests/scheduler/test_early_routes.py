@@ -220,6 +220,12 @@ def test_a_failed_early_route_withdraws_only_the_process_it_went_to(state: Clust
             # A failed request on the current process withdraws it: the others wait for ready.
             await router.done("f", again, 30.0, 0.01, reusable=False)
             assert router.starter.targets("f") == []
+            # So does one whose connection to it failed (the process is gone): its slot is freed.
+            launcher.on_target("http://w3", "token-3")
+            third = await asyncio.wait_for(router.route("f", record, time.time() + 30), 10)
+            assert third.early and third.url == "http://w3" and state.instances("f")[0].in_flight == 1
+            assert not await router.instance_lost("f", third, 30.0)  # not ready yet: not forgotten
+            assert router.starter.targets("f") == [] and state.instances("f")[0].in_flight == 0
             launcher.finish.set()
         finally:
             await router.close()
