@@ -192,7 +192,7 @@ class Invoker:
                 raise
             if route.early and _never_ran(upstream, route.instance_id):  # its activation failed first
                 upstream.close()  # that worker is being ended
-                await self.router.done(name, route, keep_alive, time.perf_counter() - t0, reusable=False)
+                await self.router.instance_lost(name, route, keep_alive)  # frees the slot
                 if attempt == self.config.connect_retries:
                     self.metrics.requests.labels(name, route_label, "502").inc()
                     self.metrics.errors.labels(name, "instance_failed").inc()

@@ -24,7 +24,9 @@ import time
 INSTANCE_HEADER = "x-ember-instance-id"
 NEVER_RAN_HEADER = "x-ember-never-ran"
 NOT_STARTED = "not_started"
-MAX_HELD = 64  # requests held at once by one worker (the scheduler sends at most MAX_EARLY)
+# Requests held at once by one worker: the scheduler sends at most MAX_EARLY, and this leaves
+# room for ones whose clients hung up (held until the assign ends, their slots already freed).
+MAX_HELD = 256
 # The longest a request waits for its instance's activation (s): the gateway's default timeout.
 MAX_HOLD_S = 300.0
 

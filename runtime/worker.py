@@ -218,9 +218,10 @@ def build_app(state: WorkerState) -> FastAPI:
     @app.post("/_ember/assign")
     async def assign_route(raw: Request) -> Any:
         async def become() -> Response:
-            message = AssignMessage.from_json(await raw.body())
-            standby, state.standby = state.standby, None
+            body = await raw.body()
             try:
+                message = AssignMessage.from_json(body)
+                standby, state.standby = state.standby, None
                 if standby is None:
                     state.assignment, reply = await assign(state, message)
                 else:
@@ -230,7 +231,8 @@ def build_app(state: WorkerState) -> FastAPI:
                         state.standby = standby  # untouched: the agent ends this worker
                         raise
             except BaseException:  # the agent ends this worker: it holds no request from now on
-                state.early.refuse()
+                if body:  # (not the rehearsal's empty body: runtime.rehearsal)
+                    state.early.refuse()
                 raise
             state.schedule_tokens(message)
             # The KV blocks a first request would fetch from the pool (a round trip on its path,

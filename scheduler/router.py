@@ -213,11 +213,9 @@ class Router:
         (``lease_s``), or freed at once when not ``reusable`` (the request failed) or leases
         are off or full; either way the keep-alive clock restarts when the slot is freed. An
         early route's slot is never leased (its instance may still be activating, and only a
-        request naming it is held there); one that failed withdraws its process as a target."""
+        request naming it is held there)."""
         old = self._service_s.get(name)
         self._service_s[name] = service_s if old is None else 0.8 * old + 0.2 * service_s
-        if route.early and not reusable:
-            self.starter.withdraw(name, route.instance_id, route.url)
         if not (reusable and not route.early and self.leases.lease(name, route, keep_alive_s)):
             await self.release(route, keep_alive_s)
         self._notify(name)
@@ -245,8 +243,9 @@ class Router:
         router's to judge (its launcher runs it, or its record is on this router's devices) and
         its process is gone, it is forgotten: leases dropped, record removed, process reaped,
         waiting requests woken; returns True. Otherwise a route's slot is freed when
-        ``keep_alive_s`` is given (the request is over) and False is returned."""
-        if isinstance(lost, Route) and lost.early:  # that process is gone: no more early routes to it
+        ``keep_alive_s`` is given (the request is over) and False is returned. An early route's
+        process (its activation failed, or the connection to it did) takes no more early routes."""
+        if isinstance(lost, Route) and lost.early:  # that process failed: no more early routes to it
             self.starter.withdraw(name, lost.instance_id, lost.url)
         mine = self.launcher.owns(lost.instance_id) or (
             isinstance(lost, Instance) and lost.device in self.launcher.devices()

@@ -33,6 +33,7 @@ class ScriptedRouting:
         self.routes = routes
         self.done_calls: list[tuple[str, bool]] = []  # (instance id, reusable)
         self.since: list[float | None] = []  # what each route() was told
+        self.lost_calls: list[tuple[str, bool]] = []  # (instance id, slot freed)
 
     async def route(
         self, name: str, record: FunctionRecord, deadline: float, since: float | None = None
@@ -46,7 +47,8 @@ class ScriptedRouting:
         self.done_calls.append((route.instance_id, reusable))
 
     async def instance_lost(self, name: str, lost: Route, keep_alive_s: float | None = None) -> bool:
-        raise AssertionError("no instance is lost in these tests")
+        self.lost_calls.append((lost.instance_id, keep_alive_s is not None))
+        return False
 
     async def retire(self, name: str) -> None:
         return None
@@ -99,7 +101,7 @@ def test_a_request_that_never_ran_is_routed_again(state: ClusterState) -> None:
                 assert json.loads(bytes(response.body)) == {"served_by": "/ok/invoke"}
                 # The early route named its instance; the slot it held was freed at once.
                 assert seen == [("/never/invoke", "1"), ("/ok/invoke", None)]
-                assert routing.done_calls == [("1", False)]
+                assert routing.lost_calls == [("1", True)] and routing.done_calls == []
                 # Routed again as the request it is: a start that failed since it arrived fails it.
                 first, again = routing.since
                 assert first is None and again is not None and again <= time.time()
@@ -134,6 +136,7 @@ def test_other_answers_and_ordinary_routes_are_relayed_as_they_are(state: Cluste
                     f"/{k}/invoke" for k in ("busy", "body", "other", "never")
                 ]
                 assert routing.done_calls == [(i, True) for i in ("1", "2", "3", "4")]
+                assert routing.lost_calls == []
             finally:
                 await invoker.close()
 
@@ -157,7 +160,7 @@ def test_every_attempt_that_never_ran_ends_in_one_clear_error(state: ClusterStat
                 else:
                     raise AssertionError("no error")
                 assert time.monotonic() - t0 < 5.0
-                assert routing.done_calls == [("1", False), ("2", False)] and routing.routes == []
+                assert routing.lost_calls == [("1", True), ("2", True)] and routing.routes == []
             finally:
                 await invoker.close()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
@@ -22,12 +23,13 @@ from scheduler import launcher
 from tests.runtime.test_agent_workers import spec, wait_warm
 from tests.runtime.test_standby import FLAKY, PROMPT, complete, custom_function, started_agent, wait_standby
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.worker_proc import running_worker
 
 
 def test_the_runtime_and_the_scheduler_agree_on_the_wire_names() -> None:
-    ours = (INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, MAX_HELD)
-    theirs = (launcher.INSTANCE_HEADER, launcher.NEVER_RAN_HEADER, launcher.NOT_STARTED, launcher.MAX_EARLY)
-    assert ours == theirs
+    ours = (INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED)
+    assert ours == (launcher.INSTANCE_HEADER, launcher.NEVER_RAN_HEADER, launcher.NOT_STARTED)
+    assert MAX_HELD >= launcher.MAX_EARLY
 
 
 def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
@@ -177,3 +179,26 @@ def test_a_request_held_by_a_failed_activation_is_answered_that_it_never_ran(tmp
             assert body["never_ran"] == "2"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_worker_whose_assign_failed_holds_nothing_more(tmp_path: Path) -> None:
+    """An assign the worker refused (here: malformed) means the agent ends it: a request that
+    names an instance is answered at once that it never ran, not held until its deadline (that
+    would hold up the worker's exit). The rehearsal's empty assign does not count."""
+    home = tmp_path / "home"
+    home.mkdir()
+    with running_worker(home) as worker:
+        early = {**worker.headers, INSTANCE_HEADER: "1", "x-ember-deadline": f"{time.time() + 0.5:.3f}"}
+        with httpx.Client(base_url=worker.url, timeout=30) as http:
+            # Rehearsed (an empty assign was refused before it was ready): it still holds, until
+            # the deadline here, as no assign comes.
+            t0 = time.monotonic()
+            held = http.post("/v1/completions", json=PROMPT, headers=early)
+            assert held.status_code == 503 and time.monotonic() - t0 >= 0.4
+            assert http.post("/_ember/assign", content=b"{}", headers=worker.headers).status_code == 400
+            t0 = time.monotonic()
+            early["x-ember-deadline"] = f"{time.time() + 30:.3f}"
+            refused = http.post("/v1/completions", json=PROMPT, headers=early)
+            assert refused.status_code == 503 and refused.headers[NEVER_RAN_HEADER] == "1"
+            assert refused.json()["error"]["type"] == NOT_STARTED and time.monotonic() - t0 < 5.0

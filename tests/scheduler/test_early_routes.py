@@ -213,12 +213,15 @@ def test_a_failed_early_route_withdraws_only_the_process_it_went_to(state: Clust
             # late failure of the request sent to the first one leaves the new target in place.
             assert launcher.on_target is not None
             launcher.on_target("http://w2", "token-2")
-            await router.done("f", early, 30.0, 0.01, reusable=False)
+            assert not await router.instance_lost("f", early, 30.0)
             assert [t.url for t in router.starter.targets("f")] == ["http://w2"]
             again = await asyncio.wait_for(router.route("f", record, time.time() + 30), 10)
             assert again.early and again.url == "http://w2"
-            # A failed request on the current process withdraws it: the others wait for ready.
+            # Its never-ran answer from the current process withdraws it: the others wait for
+            # ready. A request that merely ended (a client that hung up) withdraws nothing.
             await router.done("f", again, 30.0, 0.01, reusable=False)
+            assert [t.url for t in router.starter.targets("f")] == ["http://w2"]
+            assert not await router.instance_lost("f", again)
             assert router.starter.targets("f") == []
             # So does one whose connection to it failed (the process is gone): its slot is freed.
             launcher.on_target("http://w3", "token-3")
