@@ -160,8 +160,11 @@ class Invoker:
             "x-ember-deadline": f"{deadline:.3f}",
         }
         keep_alive = record.scaling.keep_alive_s
-        for attempt in range(self.config.connect_retries + 1):
-            route = await self.router.route(name, record, deadline, arrived if attempt else None)
+        unreachable = 0  # connections that could not be made (never-ran answers are not counted)
+        since: float | None = None  # set once the request is routed again
+        while True:
+            route = await self.router.route(name, record, deadline, since)
+            since = arrived
             if not route.cold:
                 self.metrics.route.labels(name).observe(time.perf_counter() - t0)
             sent = {**headers, WORKER_TOKEN_HEADER: route.token} if route.token else headers
@@ -171,10 +174,11 @@ class Invoker:
                 upstream = await self.http.post(self._url(route.url, path), data=body, headers=sent)
             except _NOT_SENT as exc:  # nothing reached the instance: route again
                 await self._lost(name, route, keep_alive)
-                if attempt == self.config.connect_retries:
+                if unreachable == self.config.connect_retries:
                     raise InvocationError(
                         f"instance {route.instance_id} of {name!r} is unreachable: {exc}"
                     ) from None
+                unreachable += 1
                 continue
             except BaseException as exc:
                 # The request may have reached the worker: never re-send it (at most once).
@@ -193,11 +197,16 @@ class Invoker:
             if route.early and _never_ran(upstream, route.instance_id):  # its activation failed first
                 upstream.close()  # that worker is being ended
                 await self.router.instance_lost(name, route, keep_alive)  # frees the slot
-                if attempt == self.config.connect_retries:
+                # Route again, to the process the launch tries next or a ready instance: as
+                # often as starts fail for want of room, say, as a waiting request would wait
+                # (it never ran; each try is another process's activation), until its deadline.
+                if time.time() >= deadline:
                     self.metrics.requests.labels(name, route_label, "502").inc()
                     self.metrics.errors.labels(name, "instance_failed").inc()
-                    raise InvocationError(f"instance {route.instance_id} of {name!r} did not start") from None
-                continue  # route again: to the process the launch tries next, or a ready instance
+                    raise InvocationError(
+                        f"no instance of {name!r} started before the request's deadline"
+                    ) from None
+                continue
             break
 
         async def finish(status: int, reusable: bool) -> None:
