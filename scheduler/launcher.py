@@ -20,7 +20,8 @@ NOT_STARTED = "not_started"
 # (naming it too) of that 503: only the worker's hold sets it, no handler's error can.
 INSTANCE_HEADER = "x-ember-instance-id"
 NEVER_RAN_HEADER = "x-ember-never-ran"
-# The most requests a worker holds for its activation (the others wait for the instance to be ready).
+# The most requests sent to an instance before it is ready (the others wait for ready); its
+# worker holds more (runtime.early_requests.MAX_HELD), for requests whose clients hung up.
 MAX_EARLY = 64
 
 # (url, credential) of the process a launch is activating: see BaseLauncher.launch.
@@ -69,7 +70,8 @@ class BaseLauncher(Protocol):
         :data:`NO_ROOM`. ``on_target(url, token)``, when given, is told the process the
         instance is being activated in before the activation ends (again if another process is
         tried): a request sent there with :data:`INSTANCE_HEADER` is held until the activation
-        ends, then served, or answered 503 :data:`NOT_STARTED` (it never ran) if it failed."""
+        ends, then served, or answered 503 :data:`NOT_STARTED` with :data:`NEVER_RAN_HEADER`
+        (it never ran) if it failed."""
         ...
 
     async def stop(self, instance_id: str, standby: bool = False) -> None:
