@@ -58,7 +58,9 @@ from runtime.worker_handle import WorkerHandle
 
 log = logging.getLogger("ember.agent")
 
-FUNCTION_INIT_FAILED = "function_init_failed"  # runtime.worker's error type for a failed initializer
+FUNCTION_INIT_FAILED = "function_init_failed"
+# (url, credential) of a worker an assign goes to (scheduler.launcher.OnTarget, structurally).
+OnTarget = Callable[[str, str], None]  # runtime.worker's error type for a failed initializer
 
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
@@ -93,7 +95,7 @@ class _Start(NamedTuple):
     deadline: float
     threads: int | None  # its intra-op threads (CPU devices)
     take_turns: bool  # the agent schedules its device token by token (runtime.mesh)
-    on_target: Callable[[str, str], None] | None = None  # told each worker the assign goes to (launch)
+    on_target: OnTarget | None = None  # told each worker the assign goes to (launch)
 
 
 class _Undelivered(LaunchError):
@@ -205,7 +207,7 @@ class NodeAgent:
         model: dict[str, Any],
         device_id: str,
         deadline: float,
-        on_target: Callable[[str, str], None] | None = None,
+        on_target: OnTarget | None = None,
     ) -> InstanceStart:
         """Turn a standby of the function (:mod:`runtime.standby_pool`) or else a pre-warmed
         worker into an instance of ``spec`` on ``device_id``. ``on_target(url, token)`` is told
@@ -331,7 +333,7 @@ class NodeAgent:
         self,
         worker: WorkerHandle,
         message: AssignMessage,
-        on_target: Callable[[str, str], None] | None = None,
+        on_target: OnTarget | None = None,
     ) -> AssignReply:
         """``/_ember/assign`` ``message`` to ``worker``; a worker that fails it is ended
         (:class:`_Undelivered` when the connection failed: nothing reached it). ``on_target``

@@ -197,8 +197,8 @@ class Router:
 
     async def _claim_early(self, name: str, concurrency: int) -> Route | None:
         """A slot of an instance this gateway is activating, or None (see the module docstring)."""
+        slots = min(concurrency, MAX_EARLY)  # the others wait for ready
         for target in self.starter.targets(name):
-            slots = min(concurrency, MAX_EARLY)  # what the worker holds; the others wait for ready
             claim = functools.partial(self.state.claim_starting, target.instance_id, slots)
             claimed = await on_loop(claim)
             if claimed:

@@ -21,7 +21,15 @@ from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NEVER_RAN_HEADER, 
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler import launcher
 from tests.runtime.test_agent_workers import spec, wait_warm
-from tests.runtime.test_standby import FLAKY, PROMPT, complete, custom_function, started_agent, wait_standby
+from tests.runtime.test_standby import (
+    FLAKY,
+    PROMPT,
+    complete,
+    custom_function,
+    leave_standby,
+    started_agent,
+    wait_standby,
+)
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 from tests.runtime.worker_proc import running_worker
 
@@ -164,11 +172,7 @@ def test_a_request_held_by_a_failed_activation_is_answered_that_it_never_ran(tmp
 
     async def scenario() -> None:
         async with started_agent(home, source) as (agent, model, device):
-            await wait_warm(agent, 1)
-            await agent.launch("1", document, model, device, time.time() + 120)
-            await wait_warm(agent, 1)
-            await agent.stop("1", standby=True)
-            await wait_standby(agent, 1)
+            await leave_standby(agent, document, model, device)
             # The standby's initializer fails: the worker is ended, and the request it held
             # is told it never ran (the gateway routes it again) before the connection closes.
             early = EarlyRequest("2", "/invoke", {"x": 1})

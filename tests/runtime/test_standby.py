@@ -96,6 +96,18 @@ async def wait_standby(agent: NodeAgent, n: int, timeout: float = 120.0) -> None
         await asyncio.sleep(0.1)
 
 
+async def leave_standby(
+    agent: NodeAgent, document: dict[str, Any], model: dict[str, Any], device: str
+) -> None:
+    """Start instance "1" of ``document`` on a pre-warmed worker and idle it out: it leaves a
+    standby (a pre-warmed worker is ready again too)."""
+    await wait_warm(agent, 1)
+    await agent.launch("1", document, model, device, time.time() + 120)
+    await wait_warm(agent, 1)
+    await agent.stop("1", standby=True)
+    await wait_standby(agent, 1)
+
+
 async def complete(url: str, token: str) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         resp = await http.post("/v1/completions", json=PROMPT, headers={TOKEN_HEADER: token})
@@ -365,11 +377,7 @@ def test_a_failing_initializer_is_not_run_again_elsewhere_and_retire_ends_the_st
 
     async def scenario() -> None:
         async with started_agent(home, source) as (agent, model, device):
-            await wait_warm(agent, 1)
-            await agent.launch("1", document, model, device, time.time() + 120)
-            await wait_warm(agent, 1)
-            await agent.stop("1", standby=True)
-            await wait_standby(agent, 1)
+            await leave_standby(agent, document, model, device)
             # The activation's initializer fails: a function error, not the worker's. It is
             # not run a third time on a pre-warmed worker.
             with pytest.raises(LaunchError, match="initializer fails"):
