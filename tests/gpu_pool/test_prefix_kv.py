@@ -11,6 +11,7 @@ from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument
 from gpu_pool.manifest import Manifest
+from gpu_pool.server.daemon import INLINE_COPY_BYTES
 from tests.conftest import PoolProcess, random_tensors, write_entry
 
 pytestmark = pytest.mark.slow
@@ -24,14 +25,15 @@ def manifest(store_root: Path) -> Manifest:
     return write_entry(store_root, "m", random_tensors(1, [1000, 50_000]))
 
 
-def fill(client: PoolClient, n: int, seed: int) -> tuple[list[int], list[bytes]]:
-    """``n`` KV blocks of this session, each filled with its own byte; their ids and contents."""
-    kv = client.kv_alloc(n, BLOCK, aligned=True)
+def fill(client: PoolClient, n: int, seed: int, size: int = BLOCK) -> tuple[list[int], list[bytes]]:
+    """``n`` KV blocks of ``size`` bytes of this session, each filled with its own byte; their
+    ids and contents."""
+    kv = client.kv_alloc(n, size, aligned=True)
     mem = client.kv_arena()
     contents = []
     for i, off in enumerate(kv.offsets):
-        mem[off : off + BLOCK] = (seed + i) % 251 + 1
-        contents.append(bytes(mem[off : off + BLOCK].numpy()))
+        mem[off : off + size] = (seed + i) % 251 + 1
+        contents.append(bytes(mem[off : off + size].numpy()))
     return list(kv.block_ids), contents
 
 
@@ -42,9 +44,11 @@ def scoped(pool: PoolProcess, scope: str = "f") -> PoolClient:
     return PoolClient(pool.socket_path, ticket=ticket)
 
 
-def read_blocks(client: PoolClient, block_ids: list[int], offsets: dict[int, int]) -> list[bytes]:
+def read_blocks(
+    client: PoolClient, block_ids: list[int], offsets: dict[int, int], size: int = BLOCK
+) -> list[bytes]:
     mem = client.kv_arena()
-    return [bytes(mem[offsets[b] : offsets[b] + BLOCK].numpy()) for b in block_ids]
+    return [bytes(mem[offsets[b] : offsets[b] + size].numpy()) for b in block_ids]
 
 
 def test_published_blocks_outlive_their_session_and_restore_the_longest_run(
@@ -68,6 +72,25 @@ def test_published_blocks_outlive_their_session_and_restore_the_longest_run(
         assert got[:2] == contents[:2] and got[2] == bytes(BLOCK)
         assert b.kv_restore("m", "other-layout", hashes, list(kv.block_ids)) == 0
         assert b.stats()["prefix_blocks_restored"] == 2
+
+
+@pytest.mark.parametrize("size", [BLOCK, 512 << 10])
+def test_copies_on_the_daemons_loop_and_in_a_thread_move_the_same_bytes(
+    pool_process: PoolProcess, manifest: Manifest, size: int
+) -> None:
+    """Three blocks: 24 KiB are copied on the daemon's event loop, 1.5 MiB in a thread."""
+    assert (3 * size <= INLINE_COPY_BYTES) == (size == BLOCK)
+    hashes = [os.urandom(16) for _ in range(3)]
+    with scoped(pool_process) as a:
+        a.acquire(manifest)
+        ids, contents = fill(a, 3, seed=20, size=size)
+        assert a.kv_publish("m", LAYOUT, hashes, ids) == 3
+    with scoped(pool_process) as b:
+        b.acquire(manifest)
+        kv = b.kv_alloc(3, size, aligned=True)
+        offsets = dict(zip(kv.block_ids, kv.offsets, strict=True))
+        assert b.kv_restore("m", LAYOUT, hashes, list(kv.block_ids)) == 3
+        assert read_blocks(b, list(kv.block_ids), offsets, size) == contents
 
 
 def test_blocks_and_models_a_session_does_not_own_are_forbidden(
