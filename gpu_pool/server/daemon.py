@@ -75,10 +75,10 @@ from gpu_pool.wire.protocol import (
 
 log = logging.getLogger("ember.pool")
 Reply = tuple[dict[str, Any], list[int]]  # reply fields, descriptors sent after it (SCM_RIGHTS)
-# Prefix KV copies up to this many bytes run on the event loop (they hold it for at most ~0.4 ms);
-# larger ones go to a thread. A restore is on a cold start's first request, and the thread hop
-# cost more than the copy: two SmolLM2 blocks (720 KiB, into fresh KV pages) copy in 0.27 ms,
-# and the restore's round trip went from 1.32 to 0.72 ms median on this 2-core host.
+# Prefix KV copies up to this many bytes run on a CPU pool's event loop (they hold it for at most
+# ~0.4 ms); larger ones, and a CUDA pool's, go to a thread. A restore is on a cold start's first
+# request, and the thread hop cost more than the copy: two SmolLM2 blocks (720 KiB, into fresh KV
+# pages) copy in 0.27 ms, and the restore's round trip went from 1.32 to 0.72 ms median here.
 INLINE_COPY_BYTES = 1 << 20
 _MAX_REPLANS = 3  # an acquire whose shared tensors' loads by other sessions failed plans again
 
@@ -505,8 +505,9 @@ class PoolDaemon:
         return {"restored": len(copies)}, []
 
     async def _copy(self, session: Session, copies: list[BlockCopy], publish: bool) -> None:
-        """:meth:`_copy_blocks`, inline when small (:data:`INLINE_COPY_BYTES`), else in a thread."""
-        if sum(c.size for c in copies) <= INLINE_COPY_BYTES:
+        """:meth:`_copy_blocks`, inline when small (:data:`INLINE_COPY_BYTES`) on a CPU pool, else
+        in a thread (a device copy may wait for the device: never on the loop)."""
+        if self._private_kv and sum(c.size for c in copies) <= INLINE_COPY_BYTES:
             self._copy_blocks(session, copies, publish)
         else:
             await asyncio.to_thread(self._copy_blocks, session, copies, publish)
