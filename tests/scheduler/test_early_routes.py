@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.errors import StartFailed
 from scheduler.launcher import MAX_EARLY, OnTarget
-from scheduler.records import FunctionRecord, ModelRef
+from scheduler.records import FunctionRecord
 from scheduler.router import Router, RouterConfig
 from scheduler.state import ClusterState
 from tests.scheduler.test_reclaim import DEVICE, BookkeepingLauncher, Started, deploy
@@ -147,8 +147,7 @@ def test_a_failed_activation_leaves_no_slot_and_fails_the_waiting_requests(state
 
 
 def test_no_more_requests_go_early_than_a_worker_holds(state: ClusterState) -> None:
-    scaling = {"concurrency": 1000, "minScale": 0, "maxScale": 1, "keepAlive": "60s"}
-    state.put_function("f", {"spec": {"scaling": scaling}}, ModelRef("m-f", "/models/f", 1 << 20))
+    deploy(state, "f", 1 << 20, concurrency=1000)
     record: FunctionRecord = state.function("f")
 
     async def scenario() -> None:
@@ -175,8 +174,7 @@ def test_no_more_requests_go_early_than_a_worker_holds(state: ClusterState) -> N
 
 
 def test_a_ready_slot_goes_before_an_instance_being_activated(state: ClusterState) -> None:
-    scaling = {"concurrency": 1, "minScale": 0, "maxScale": 2, "keepAlive": "60s"}
-    state.put_function("f", {"spec": {"scaling": scaling}}, ModelRef("m-f", "/models/f", 1 << 20))
+    deploy(state, "f", 1 << 20, max_scale=2)
     record: FunctionRecord = state.function("f")
 
     async def scenario() -> None:

@@ -133,8 +133,15 @@ class BookkeepingLauncher:
         return instance_id
 
 
-def deploy(state: ClusterState, name: str, weight_bytes: int, min_scale: int = 0) -> None:
-    scaling = {"concurrency": 1, "minScale": min_scale, "maxScale": 1, "keepAlive": "60s"}
+def deploy(
+    state: ClusterState,
+    name: str,
+    weight_bytes: int,
+    min_scale: int = 0,
+    concurrency: int = 1,
+    max_scale: int = 1,
+) -> None:
+    scaling = {"concurrency": concurrency, "minScale": min_scale, "maxScale": max_scale, "keepAlive": "60s"}
     model = ModelRef(f"m-{name}", f"/models/{name}", weight_bytes)
     state.put_function(name, {"spec": {"scaling": scaling}}, model)
 
