@@ -48,14 +48,16 @@ def take_turns(turns: int, ember: Callable[[], float], other: Callable[[], float
     }
 
 
-def decode_rate(target: Target, plan: Plan) -> float:
+def decode_tok_s(target: Target, plan: Plan) -> float:
+    """One streamed batch-1 decode of ``plan.decode_tokens`` on ``target``: its tok/s."""
     rate = stream_chat(target, plan.decode_tokens).decode_tok_s
     if rate is None:
         raise RuntimeError(f"{target.url}: a decode run produced fewer than two tokens")
     return rate
 
 
-def aggregate_rate(target: Target, plan: Plan) -> float:
+def aggregate_tok_s(target: Target, plan: Plan) -> float:
+    """``plan.streams`` concurrent streams of ``plan.decode_tokens`` on ``target``: their tok/s."""
     return float(concurrent_streams(target, plan.streams, plan.decode_tokens)["aggregate_tok_s"])
 
 
@@ -71,10 +73,10 @@ def peer_turns(
         return {
             "peer": name,
             "decode_tok_s": take_turns(
-                turns, lambda: decode_rate(ember, plan), lambda: decode_rate(llama, plan)
+                turns, lambda: decode_tok_s(ember, plan), lambda: decode_tok_s(llama, plan)
             ),
             "aggregate_tok_s": take_turns(
-                turns, lambda: aggregate_rate(ember, plan), lambda: aggregate_rate(llama, plan)
+                turns, lambda: aggregate_tok_s(ember, plan), lambda: aggregate_tok_s(llama, plan)
             ),
         }
 
@@ -112,7 +114,7 @@ def serving_overhead(
         try:
             ready = reply()
             time.sleep(OTHER_SETTLE_S)  # its start-up kept a core busy, as a turn does
-            pairs = take_turns(turns, lambda: decode_rate(target, plan), raw_decode)
+            pairs = take_turns(turns, lambda: decode_tok_s(target, plan), raw_decode)
         finally:
             stdin.close()
             try:
