@@ -12,9 +12,11 @@ delta has non-empty ``content``. Measured in one run:
   ``ISOLATED_WARM_GAP_S`` of idle (less than the keep-alive; checked: no cold start, the same
   instance). A cold request always finds an idle machine, and on this kind of host a plain
   torch forward pass after 0.2-1 s of idle took 1.4-1.6x as long as one right after another,
-  Ember or not (:mod:`bench.idle_wake`): ``ratio_to_warm_isolated_p50`` compares a cold start
-  with the warm request it replaces, both after idle; ``ratio_to_warm_p50`` keeps the
-  back-to-back figure;
+  Ember or not (:mod:`bench.idle_wake`), while back to back each request's prefill overlaps
+  the previous one's wind-down (the gateway's finish, slot release, Redis writes): in full
+  requests either warm figure came out lower, depending on the run.
+  ``ratio_to_warm_isolated_p50`` compares a cold start with the warm request it replaces, both
+  after idle; ``ratio_to_warm_p50`` keeps the back-to-back figure;
 * resident cold TTFT (scale from zero): K times, wait until keep-alive expiry has stopped the
   instance (its weights stay resident in the pool) and the pre-warmed workers are replenished,
   then one request. Each start is checked to have loaded 0 bytes and reused all weight bytes
