@@ -432,7 +432,7 @@ def main() -> None:
     )
     if args.quick:
         plan = Plan(warmups=1, ttft_requests=3, decode_runs=1, aggregate_runs=1)
-        args.starts = 1
+        args.starts = args.turns = 1
     try:
         bins = llama_peer.LlamaBins.find(args.llama_bin_dir)
     except llama_peer.PeerSetupError as exc:
