@@ -162,6 +162,9 @@ class Bench:
         fn = self.cluster()["functions"].get(FUNCTION) or {}
         return list(fn.get("instances") or [])
 
+    def instance_ids(self) -> set[str]:
+        return {str(i["id"]) for i in self.instances()}
+
     def metrics(self) -> dict[str, float]:
         """This function's series (and unlabelled ones) of ``/metrics``, summed per metric name."""
         r = self.http.get(self.url + "/metrics")
@@ -224,17 +227,17 @@ class Bench:
         request after :meth:`wait_scaled_to_zero`, one ``/v1/cluster`` read; RuntimeError when the
         instance changed or a cold start happened (the gap outlived the keep-alive)."""
         before = self.metrics()
-        ids = {str(i["id"]) for i in self.instances()}
+        ids = self.instance_ids()
         ttft = []
         for _ in range(n):
             time.sleep(gap_s)
-            if {str(i["id"]) for i in self.instances()} != ids:
+            if self.instance_ids() != ids:
                 raise RuntimeError(f"the warm instance {ids} ended during a {gap_s} s idle gap")
             ttft.append(self.stream_chat().ttft_s * 1e3)
         cold_starts = self.metrics().get("ember_cold_starts_total", 0.0) - before.get(
             "ember_cold_starts_total", 0.0
         )
-        if cold_starts or {str(i["id"]) for i in self.instances()} != ids:
+        if cold_starts or self.instance_ids() != ids:
             raise RuntimeError(f"{cold_starts:.0f} cold starts during the warm-after-idle requests")
         return {
             "requests": n,

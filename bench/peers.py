@@ -112,6 +112,10 @@ class Peer:
     gguf: Path
     logs: Path
 
+    @property
+    def log_path(self) -> Path:
+        return self.logs / f"llama-{self.gguf.stem}.log"
+
     def start(self, log: IO[bytes], plan: Plan) -> llama_peer.LlamaServer:
         slots = plan.streams
         return llama_peer.LlamaServer(
@@ -121,7 +125,7 @@ class Peer:
     @contextlib.contextmanager
     def running(self, plan: Plan) -> Iterator[Target]:
         """A server up for the block; yields its target."""
-        with open(self.logs / f"llama-{self.gguf.stem}.log", "ab") as log:
+        with open(self.log_path, "ab") as log:
             s = self.start(log, plan)
             try:
                 yield Target(s.url, "peer", {"cache_prompt": False})
@@ -133,7 +137,7 @@ def run_llama(peer: Peer, plan: Plan, starts: int) -> dict[str, Any]:
     """Steady-state figures of one llama-server, then ``starts`` restarts timed exec -> first token."""
     gguf = peer.gguf
     out: dict[str, Any] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "threads": LLAMA_THREADS}
-    with open(peer.logs / f"llama-{gguf.stem}.log", "ab") as log:
+    with open(peer.log_path, "ab") as log:
 
         def server() -> llama_peer.LlamaServer:
             return peer.start(log, plan)
