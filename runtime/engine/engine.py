@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
+from runtime.engine.detokenize import Detokenizer
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import (
@@ -65,6 +66,7 @@ class StepOutput:
 
 @dataclass(slots=True)
 class _TextState:
+    detokenizer: Detokenizer
     emitted: str = ""  # text already handed out (stop strings and partial UTF-8 held back)
 
 
@@ -213,7 +215,7 @@ class Engine:
         if arrival is not None:  # admitted after waiting: its SLO counts from when it came
             seq.arrival = arrival
         self.seqs[seq.seq_id] = seq
-        self._text[seq.seq_id] = _TextState()
+        self._text[seq.seq_id] = _TextState(Detokenizer(self.tokenizer))
         self.scheduler.add(seq)
         self.publish_state()
         self._work.set()
@@ -449,8 +451,9 @@ class Engine:
         params = seq.params
         eos = token in self.eos_ids and not params.ignore_eos
         ids = seq.output_ids[:-1] if eos else seq.output_ids
-        full = self.tokenizer.decode(ids, skip_special_tokens=True)
         reason: FinishReason | None = FinishReason.STOP if eos or complete else None
+        final = reason is not None or len(seq.output_ids) >= params.max_tokens
+        full = state.detokenizer.decoded(ids, final)  # the output's text, not decoded whole again
         # Before min_tokens no stop string ends the output (vLLM's rule), so none is looked for
         # or held back: one completed earlier is plain text.
         stops = params.stop if len(seq.output_ids) >= params.min_tokens else ()
@@ -459,9 +462,8 @@ class Engine:
             full, reason = full[: min(at for at in hits if at >= 0)], FinishReason.STOP
         if reason is None and len(seq.output_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
-        if reason is None:
-            # Hold back a partial UTF-8 character and any tail that may start a stop string.
-            full = full.rstrip("\ufffd")
+        if reason is None:  # a partial UTF-8 character is held back already (not final)
+            # Hold back any tail that may start a stop string.
             hold = max((len(s) - 1 for s in stops), default=0)
             if hold:
                 full = full[: max(len(state.emitted), len(full) - hold)]
