@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from runtime.engine.block_manager import BaseBlockSource, BlockManager
-from runtime.engine.detokenize import Detokenizer
+from runtime.engine.detokenize import Detokenizer, special_ids
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import (
@@ -103,6 +103,7 @@ class Engine:
         self.max_context = model.config.max_position_embeddings
         self.seqs: dict[int, Sequence] = {}
         self._text: dict[int, _TextState] = {}
+        self._special_ids = special_ids(tokenizer)  # left out of detokenization windows
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()  # set by add_request: wakes an idle run_forever
@@ -215,7 +216,7 @@ class Engine:
         if arrival is not None:  # admitted after waiting: its SLO counts from when it came
             seq.arrival = arrival
         self.seqs[seq.seq_id] = seq
-        self._text[seq.seq_id] = _TextState(Detokenizer(self.tokenizer))
+        self._text[seq.seq_id] = _TextState(Detokenizer(self.tokenizer, self._special_ids))
         self.scheduler.add(seq)
         self.publish_state()
         self._work.set()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from runtime.engine.detokenize import Detokenizer
+from runtime.engine.detokenize import Detokenizer, special_ids
 from tests.runtime.tiny_gguf import byte_level_vocab
 
 
@@ -51,7 +51,7 @@ def test_each_step_matches_decoding_the_whole_output(ids: list[int]) -> None:
     """Byte-level decoding is lossy UTF-8 over all the bytes: the same from any whole character
     on, so every step's text is exactly what decoding the whole output gives."""
     tok = TOKENIZERS["byte_level"]
-    detok = Detokenizer(tok)
+    detok = Detokenizer(tok, special_ids(tok))
     for n in range(1, len(ids) + 1):
         final = n == len(ids)
         assert detok.decoded(ids[:n], final) == whole(tok, ids[:n], final)
@@ -73,7 +73,7 @@ def test_each_step_is_a_prefix_of_the_whole_text(units: list[list[int]]) -> None
     stay emitted, so each step's text is a prefix of the whole output's, and the end is it."""
     tok = TOKENIZERS["sentencepiece"]
     ids = [i for unit in units for i in unit]
-    detok = Detokenizer(tok)
+    detok = Detokenizer(tok, special_ids(tok))
     text = whole(tok, ids, final=True)
     for n in range(1, len(ids) + 1):
         assert text.startswith(detok.decoded(ids[:n], final=n == len(ids)))
@@ -84,7 +84,7 @@ def test_a_split_character_waits_for_its_last_byte() -> None:
     tok = TOKENIZERS["byte_level"]
     ids = tok.encode("a€", add_special_tokens=False).ids
     assert len(ids) == 4  # "a" and the three bytes of "€", one token each
-    detok = Detokenizer(tok)
+    detok = Detokenizer(tok, special_ids(tok))
     assert [detok.decoded(ids[:n]) for n in (1, 2, 3)] == ["a", "a", "a"]  # held: not complete
     assert detok.decoded(ids[:3], final=True) == "a\ufffd" == tok.decode(ids[:3])  # it ends here: as is
     assert detok.decoded(ids) == "a€"
@@ -93,7 +93,7 @@ def test_a_split_character_waits_for_its_last_byte() -> None:
 def test_the_leading_space_rule_applies_to_the_output_start_only() -> None:
     tok = TOKENIZERS["sentencepiece"]
     ids = [tok.token_to_id(p) for p in ["▁h", "e", "llo", "▁wor", "ld", "!"]]
-    detok = Detokenizer(tok)
+    detok = Detokenizer(tok, special_ids(tok))
     texts = [detok.decoded(ids[:n]) for n in range(1, len(ids) + 1)]
     assert texts == ["h", "he", "hello", "hello wor", "hello world", "hello world!"]
 
@@ -115,8 +115,21 @@ def test_each_token_decodes_a_few_ids_not_the_whole_output() -> None:
     tok = TOKENIZERS["byte_level"]
     ids = tok.encode("the then thé € there " * 200, add_special_tokens=False).ids
     counting = CountingTokenizer(tok)
-    detok = Detokenizer(counting)
+    detok = Detokenizer(counting, special_ids(tok))
     for n in range(1, len(ids) + 1):
         detok.decoded(ids[:n])
     assert detok.text == tok.decode(ids)
     assert len(ids) > 2000 and max(counting.lengths) <= 4  # the windows: a character's bytes at most
+
+
+def test_special_tokens_do_not_widen_the_windows() -> None:
+    """An end-of-sequence token repeated under ignore_eos adds no text: it stays out of the
+    windows, which would otherwise span the whole run of them."""
+    tok = TOKENIZERS["sentencepiece"]
+    eos, words = tok.token_to_id("</s>"), [tok.token_to_id(p) for p in ["▁h", "e", "llo", "▁wor", "ld"]]
+    ids = [*words[:3], *[eos] * 500, *words[3:], *[eos] * 500]
+    counting = CountingTokenizer(tok)
+    detok = Detokenizer(counting, special_ids(tok))
+    texts = [detok.decoded(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert texts[-1] == tok.decode(ids) == "hello world"  # " wor" keeps its space after the run
+    assert max(counting.lengths) <= 2

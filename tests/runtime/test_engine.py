@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from gpu_pool.client import PoolClient
 from runtime.engine.build import PoolKV, PrivateKV, build_engine
-from runtime.engine.detokenize import Detokenizer
+from runtime.engine.detokenize import Detokenizer, special_ids
 from runtime.engine.engine import Engine, EngineConfig, StepOutput
 from runtime.engine.kv_storage import kv_block_bytes, private_kv
 from runtime.engine.sampling import SamplingParams
@@ -232,7 +232,7 @@ def test_streaming_deltas_hold_back_partial_utf8(tiny: RegisteredModel, pool: Po
         text_ids = engine.tokenizer.encode("aé🤖b", add_special_tokens=False).ids
         assert len(text_ids) == 8
         seq = Sequence(999, [5], SamplingParams(max_tokens=100))
-        engine._text[999] = _TextState(Detokenizer(engine.tokenizer))
+        engine._text[999] = _TextState(Detokenizer(engine.tokenizer, special_ids(engine.tokenizer)))
         deltas = []
         for t in text_ids:
             seq.output_ids.append(t)
@@ -320,7 +320,7 @@ def test_earliest_stop_string_wins(tiny: RegisteredModel, pool: PoolProcess) -> 
         engine = make_engine(tiny, client)
         ids = engine.tokenizer.encode("bbabc", add_special_tokens=False).ids
         seq = Sequence(7, [5], SamplingParams(max_tokens=50, stop=("c", "abc")))
-        engine._text[7] = _TextState(Detokenizer(engine.tokenizer))
+        engine._text[7] = _TextState(Detokenizer(engine.tokenizer, special_ids(engine.tokenizer)))
         emitted, reason = "", None
         for t in ids:
             seq.output_ids.append(t)
