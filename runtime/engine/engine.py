@@ -453,15 +453,15 @@ class Engine:
         eos = token in self.eos_ids and not params.ignore_eos
         ids = seq.output_ids[:-1] if eos else seq.output_ids
         reason: FinishReason | None = FinishReason.STOP if eos or complete else None
-        final = reason is not None or len(seq.output_ids) >= params.max_tokens
-        full = state.detokenizer.decoded(ids, final)  # the output's text, not decoded whole again
+        at_limit = len(seq.output_ids) >= params.max_tokens
+        full = state.detokenizer.decoded(ids, final=reason is not None or at_limit)  # new ids decoded only
         # Before min_tokens no stop string ends the output (vLLM's rule), so none is looked for
         # or held back: one completed earlier is plain text.
         stops = params.stop if len(seq.output_ids) >= params.min_tokens else ()
         hits = [full.find(stop, max(0, len(state.emitted) - len(stop) + 1)) for stop in stops]
         if any(at >= 0 for at in hits):  # the earliest stop string wins, whatever its place in the list
             full, reason = full[: min(at for at in hits if at >= 0)], FinishReason.STOP
-        if reason is None and len(seq.output_ids) >= params.max_tokens:
+        if reason is None and at_limit:
             reason = FinishReason.LENGTH
         if reason is None:  # a partial UTF-8 character is held back already (not final)
             # Hold back any tail that may start a stop string.
