@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.openai_stream import Target, http_client, stream_chat
+from bench.openai_stream import Target, decode_rate, http_client
 from bench.peers import SOURCE
 from gateway.spawn import ServeProcess
 
@@ -33,13 +33,7 @@ SETTLE_S = 4.0  # the agent's share changes after two agreeing ~1 s samples: wai
 
 def decode_rates(target: Target, runs: int, tokens: int) -> list[float]:
     """Batch-1 decode tok/s of ``runs`` streamed requests, one after another."""
-    rates = []
-    for _ in range(runs):
-        rate = stream_chat(target, tokens).decode_tok_s
-        if rate is None:
-            raise RuntimeError("a stream produced fewer than two tokens")
-        rates.append(rate)
-    return rates
+    return [decode_rate(target, tokens) for _ in range(runs)]
 
 
 def main() -> None:

@@ -154,6 +154,14 @@ def stream_chat(
     )
 
 
+def decode_rate(target: Target, max_tokens: int) -> float:
+    """One streamed batch-1 decode of ``max_tokens`` (``ignore_eos``) on ``target``: its tok/s."""
+    rate = stream_chat(target, max_tokens).decode_tok_s
+    if rate is None:
+        raise RuntimeError(f"{target.url}: a decode run produced fewer than two tokens")
+    return rate
+
+
 def concurrent_streams(target: Target, streams: int, max_tokens: int) -> dict[str, Any]:
     """``streams`` requests of ``max_tokens`` (``ignore_eos``) sent at once; the aggregate rate
     is their completion tokens over the time from the first send to the last end."""

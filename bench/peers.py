@@ -116,6 +116,11 @@ class Peer:
     def log_path(self) -> Path:
         return self.logs / f"llama-{self.gguf.stem}.log"
 
+    @staticmethod
+    def target(server: llama_peer.LlamaServer) -> Target:
+        """What the benchmark's client sends to ``server``: its prompt cache off."""
+        return Target(server.url, "peer", {"cache_prompt": False})
+
     def start(self, log: IO[bytes], plan: Plan) -> llama_peer.LlamaServer:
         slots = plan.streams
         return llama_peer.LlamaServer(
@@ -128,7 +133,7 @@ class Peer:
         with open(self.log_path, "ab") as log:
             s = self.start(log, plan)
             try:
-                yield Target(s.url, "peer", {"cache_prompt": False})
+                yield self.target(s)
             finally:
                 s.stop()
 
@@ -138,22 +143,17 @@ def run_llama(peer: Peer, plan: Plan, starts: int) -> dict[str, Any]:
     gguf = peer.gguf
     out: dict[str, Any] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "threads": LLAMA_THREADS}
     with open(peer.log_path, "ab") as log:
-
-        def server() -> llama_peer.LlamaServer:
-            return peer.start(log, plan)
-
-        s = server()
+        s = peer.start(log, plan)
         try:
             out["ready_s"] = round(s.ready_s, 3)
-            out.update(measure_server(Target(s.url, "peer", {"cache_prompt": False}), plan))
+            out.update(measure_server(peer.target(s), plan))
         finally:
             s.stop()
         firsts, readies = [], []
         for _ in range(starts):
-            s = server()
+            s = peer.start(log, plan)
             try:
-                target = Target(s.url, "peer", {"cache_prompt": False})
-                firsts.append(stream_chat(target, plan.ttft_max_tokens, t0=s.started).first_s)
+                firsts.append(stream_chat(peer.target(s), plan.ttft_max_tokens, t0=s.started).first_s)
                 readies.append(s.ready_s)
             finally:
                 s.stop()

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from bench.openai_stream import Plan, Target, concurrent_streams, stream_chat
+from bench.openai_stream import Plan, Target, concurrent_streams, decode_rate, stream_chat
 
 REPO = Path(__file__).resolve().parents[1]
 # After another process's turn: the agent samples the machine's CPU use about once a second and
@@ -50,10 +50,7 @@ def take_turns(turns: int, ember: Callable[[], float], other: Callable[[], float
 
 def decode_tok_s(target: Target, plan: Plan) -> float:
     """One streamed batch-1 decode of ``plan.decode_tokens`` on ``target``: its tok/s."""
-    rate = stream_chat(target, plan.decode_tokens).decode_tok_s
-    if rate is None:
-        raise RuntimeError(f"{target.url}: a decode run produced fewer than two tokens")
-    return rate
+    return decode_rate(target, plan.decode_tokens)
 
 
 def aggregate_tok_s(target: Target, plan: Plan) -> float:
