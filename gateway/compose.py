@@ -32,6 +32,7 @@ from gateway.health import Readiness
 from gateway.limits import DeployLimits, EdgeLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Invoker, ProxyConfig
+from gateway.storage import storage_full
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -174,11 +175,17 @@ def _registrar(agent: NodeAgent) -> Registrar:
         try:
             model = await agent.ensure_model(source, dtype, progress=True)
         except (EmberRuntimeError, ValueError, OSError) as exc:
-            raise ModelSourceError(f"spec.model.source: {exc}") from None
+            raise _source_error(exc, "spec.model.source") from None
         print(f"ember serve: model {model['id']} ready", file=sys.stderr, flush=True)
         return model
 
     return register
+
+
+def _source_error(exc: BaseException, field: str) -> Exception:
+    """What a failed registration of ``field``'s model is to the client: a full disk is the
+    server's (507, :mod:`gateway.storage`), anything else the source's (400 naming ``field``)."""
+    return storage_full(exc, f"the model of {field}") or ModelSourceError(f"{field}: {exc}")
 
 
 def _adapter_registrar(home: Path) -> AdapterRegistrar:
@@ -196,7 +203,7 @@ def _adapter_registrar(home: Path) -> AdapterRegistrar:
             try:
                 adapter = await asyncio.to_thread(register_adapter, source, lora_dtype, home, None, base)
             except (EmberRuntimeError, ValueError, OSError) as exc:
-                raise ModelSourceError(f"spec.model.adapters.{i}.source: {exc}") from None
+                raise _source_error(exc, f"spec.model.adapters.{i}.source") from None
             out[name] = str(adapter.directory)
         return out
 
@@ -278,7 +285,7 @@ def _store_registrar(home: Path) -> Registrar:
             model = await asyncio.to_thread(register, source, dtype, home)
             manifest = await asyncio.to_thread(model.manifest)
         except (EmberRuntimeError, ValueError, OSError) as exc:
-            raise ModelSourceError(f"spec.model.source: {exc}") from None
+            raise _source_error(exc, "spec.model.source") from None
         return {"id": model.model_id, "dir": str(model.directory), "weight_bytes": int(manifest.nbytes)}
 
     return registrar
@@ -426,7 +433,7 @@ def build_knative_worker(function_id: str, env: Mapping[str, str], max_body_byte
     token = env.get(WORKER_TOKEN_ENV, "")
     if not token:
         raise ValueError(f"{WORKER_TOKEN_ENV} is required: the credential the gateway calls this worker with")
-    guard = GuardConfig(token, max_body_bytes)
+    guard = GuardConfig.from_env(token, max_body_bytes)
     config = KnativeConfig.from_env(env)
     handler = pod_handler(function_id, env.get(handler_code.HANDLER_ENV, ""))
     node = env.get(cluster_keys.NODE_NAME_ENV, "").strip()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.limits import BodyTimeout, BodyTooLarge, EdgeError
 from gateway.proxy import BadRequest, InvocationError
+from gateway.storage import StorageFull
 from gateway.tenants import Forbidden
 from runtime.errors import error_body
 from scheduler.errors import (
@@ -71,12 +72,14 @@ ERROR_STATUS: dict[type[Exception], int] = {
     StartFailed: 503,
     StateUnavailable: 503,
     StateNotWritable: 503,
+    StorageFull: 507,  # a deploy's writes found the disk full (gateway.storage)
 }
 RETRY_AFTER_S = 1  # Retry-After of a 503/507 whose error names no delay of its own
 
 # Errors that are the client's or the cluster's, mapped to HTTP without a traceback in the log.
 HANDLED: tuple[type[Exception], ...] = (
     SpecError, ModelSourceError, RequestValidationError, Unauthorized, SchedulerError, EdgeError,
+    StorageFull,
 )  # fmt: skip
 
 

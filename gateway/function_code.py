@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.storage import storage_full
 from scheduler.knative.handler_code import MAX_MODULE_BYTES, HandlerCode, code_digest, split_ref
 from scheduler.knative.handler_code import MODULE_NAME as _MODULE_NAME
 from scheduler.spec import SpecError
@@ -129,7 +130,13 @@ def store_handler(config: FunctionCodeConfig | None, name: str, handler: str, fi
     if len(encoded) > MAX_MODULE_BYTES:
         raise SpecError(f"files: {module_name} is larger than {MAX_MODULE_BYTES} bytes")
     _check_python(module_name, source)
-    path = _write(config.function_dir(name), module_name, encoded)
+    try:
+        path = _write(config.function_dir(name), module_name, encoded)
+    except OSError as exc:
+        full = storage_full(exc, f"the handler module {module_name}")
+        if full is None:
+            raise
+        raise full from None
     return f"{path}:{function}"
 
 

@@ -53,7 +53,10 @@ class ServeProcess(_Child):
         args: tuple[str, ...] = (),
         timeout: float = 180.0,
         verb: str = "serve",
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """``prefix``: a command that runs the server as its argument (say ``unshare``), which must
+        exec it, so that ``proc`` is the server itself."""
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_path = self.home / "serve.log"
@@ -63,7 +66,7 @@ class ServeProcess(_Child):
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._log = open(fd, "ab")  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", verb, "--port", "0", *args],
+            [*prefix, sys.executable, "-m", "gateway.cli", verb, "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=full_env,
