@@ -246,7 +246,13 @@ def test_admin_routes_revocation_and_key_storage(gateway: Gateway) -> None:
             assert a.post("/v1/tenants", json={"namespace": "team-a"}).status_code == 403
             assert a.delete("/v1/tenants/team-b").status_code == 403
             assert a.get("/v1/cluster").status_code == 200
+            evict = a.post("/v1/cluster/evict")  # emptying the pools is cluster-wide: the admin's
+            assert evict.status_code == 403 and evict.json()["error"]["type"] == "permission_denied", (
+                evict.text
+            )
         assert anonymous.get("/v1/tenants").status_code == 401
+        assert anonymous.post("/v1/cluster/evict").status_code == 401
+        assert admin.post("/v1/cluster/evict").status_code == 400  # allowed; this gateway has no pools
         assert anonymous.get("/v1/functions").status_code == 401
         for body in (b"{", b"[]", b'{"namespace": "a", "more": 1}', b'{"namespace": "Team_A"}', b"x" * 5000):
             bad = admin.post("/v1/tenants", content=body, headers={"content-type": "application/json"})
