@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
@@ -48,7 +48,7 @@ from gateway.routes.cluster import cluster_routes, health_routes
 from gateway.routes.functions import function_routes
 from gateway.routes.invoke import Invocations, invoke_routes
 from gateway.tenants import Authenticator, Principal, TenantKeys, tenant_routes
-from runtime.errors import error_body
+from runtime.errors import route_error
 from scheduler.records import FunctionRecord
 from scheduler.state import ClusterState
 
@@ -149,14 +149,7 @@ def create_app(
     for cls in HANDLED:
         app.add_exception_handler(cls, lambda _req, exc: render_error(exc))
 
-    def route_error(_req: Request, exc: Exception) -> Response:
-        """Starlette's own errors (no such route: 404, wrong method: 405) in Ember's error body."""
-        assert isinstance(exc, StarletteHTTPException)
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        body = error_body(kind, str(exc.detail))
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    app.add_exception_handler(StarletteHTTPException, route_error)
+    app.add_exception_handler(StarletteHTTPException, route_error)  # 404/405 in Ember's error body
     # Anything else is a bug: still a JSON error body (Starlette logs the traceback).
     app.add_exception_handler(Exception, lambda _req, exc: render_error(exc))
 

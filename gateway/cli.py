@@ -282,7 +282,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     try:
         token = sys.stdin.readline(4096).strip() if args.token_stdin else new_token()
-        guard = GuardConfig(token, args.max_body_bytes)
+        guard = GuardConfig.from_env(token, args.max_body_bytes)
         headers = HeaderLimits.from_env()
     except ValueError as exc:
         return _fail("worker", exc, 2)

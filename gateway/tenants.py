@@ -251,7 +251,7 @@ async def _new_namespace(request: Request) -> str:
     body = await request.body()
     try:
         document = json.loads(body) if len(body) <= _MAX_BODY else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer over 4300 digits
         document = None
     if not isinstance(document, dict) or set(document) != {"namespace"}:
         raise BadRequest(f'the body must be {{"namespace": NAME}} as JSON (at most {_MAX_BODY} bytes)')

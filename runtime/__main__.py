@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh-page-fd", type=int, default=None, help="memfd of its state page")
     args = parser.parse_args(argv)
     try:
-        guard = GuardConfig(sys.stdin.readline(4096).strip(), args.max_body_bytes)
+        guard = GuardConfig.from_env(sys.stdin.readline(4096).strip(), args.max_body_bytes)
     except ValueError as exc:
         parser.error(f"stdin must carry the worker's credential: {exc}")
     try:

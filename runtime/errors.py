@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.responses import JSONResponse
+
 
 class EmberRuntimeError(Exception):
     """Base of the runtime's errors; ``code`` is the stable error type used on the wire."""
@@ -43,3 +48,14 @@ def error_body(
     ``type``). Messages may quote input, whose lone surrogates UTF-8 cannot carry: escaped."""
     safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": safe, "type": kind, "param": param, "code": code or kind}}
+
+
+def route_error(_request: object, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (no such route: 404, wrong method: 405) in :func:`error_body`'s
+    shape, not ``{"detail": ...}``: the ``HTTPException`` handler of every Ember app."""
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)

@@ -10,7 +10,11 @@ a request line and headers whole, with no bound: bytes received while a request'
 are incomplete are counted, and past ``max_header_bytes`` the request is answered 431 the
 same way (a 300 MB header line grew the gateway by 300 MB). Bytes httptools cannot parse
 (a bad request line, header or chunk framing) are answered 400 with the same JSON error
-body, not uvicorn's ``text/plain`` one.
+body, not uvicorn's ``text/plain`` one. Open connections are capped (``max_connections``,
+by default half the process's open-file limit): one more is answered 503 with
+``Retry-After`` and closed at once, so a local process flooding a worker's port with
+connections cannot take the descriptors its engine and pool session need (a flood of 4,200
+held connections exhausted a worker's 4,096 and failed its requests with 500s).
 
 It lives in ``runtime`` because a worker listens on a port every process of its node can
 reach and needs the same bounds; the gateway imports it from here (``gateway → runtime`` is
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +41,23 @@ from runtime.errors import error_body
 TIMEOUT_CODE = "request_timeout"
 TOO_LARGE_CODE = "request_too_large"
 MALFORMED_CODE = "invalid_request_error"
+BUSY_CODE = "server_busy"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
 class HeaderLimits:
-    """How long a request's line and headers may take to arrive (s) and how large they may be."""
+    """How long a request's line and headers may take to arrive (s), how large they may be, and
+    how many connections may be open at once (None: half the open-file limit)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # from a request's first byte to its last header
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # request line and headers
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_connections is not None and not 1 <= self.max_connections <= 1 << 20:
+            raise ValueError("max_connections must be in [1, 2**20]")
         if not 1024 <= self.max_header_bytes <= 16 << 20:
             raise ValueError("max_header_bytes must be in [1024, 16 MiB]")
         if not 0 < self.header_timeout_s <= 3600:  # also refuses NaN
@@ -55,18 +65,19 @@ class HeaderLimits:
 
     @classmethod
     def from_env(cls) -> HeaderLimits:
-        """``EMBER_HEADER_TIMEOUT`` (seconds) and ``EMBER_MAX_HEADER_BYTES`` (an integer); unset
-        ones keep their defaults, bad ones raise ValueError naming the variable."""
-        values = env_values(
-            (
-                ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
-                ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
-            )
+        """``EMBER_HEADER_TIMEOUT`` (seconds), ``EMBER_MAX_HEADER_BYTES`` and
+        ``EMBER_MAX_CONNECTIONS`` (integers); unset ones keep their defaults, bad ones raise
+        ValueError naming the variable."""
+        table = (
+            ("EMBER_HEADER_TIMEOUT", "header_timeout_s", float),
+            ("EMBER_MAX_HEADER_BYTES", "max_header_bytes", int),
+            ("EMBER_MAX_CONNECTIONS", "max_connections", int),
         )
+        values = env_values(table)
         try:
             return cls(**values)
         except ValueError as exc:
-            given = [env for env in ("EMBER_HEADER_TIMEOUT", "EMBER_MAX_HEADER_BYTES") if env in os.environ]
+            given = [env for env, _, _ in table if env in os.environ]
             raise ValueError(f"{', '.join(given)}: {exc}") from None
 
 
@@ -91,6 +102,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # set per server by :func:`server_config`
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # set per server by :func:`server_config`
+    max_connections: int | None = None  # set per server by :func:`server_config`; None: half the fd limit
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -109,7 +121,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self._header_timer = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # counts it in server_state.connections
+        cap = self.max_connections or default_max_connections()
+        if len(self.server_state.connections) > cap:
+            message = f"this server has {cap} connections open; retry shortly"
+            self._refuse(b"503 Service Unavailable", BUSY_CODE, message, b"retry-after: 1\r\n")
+            return
         self._arm_header_timer()  # a client that connects and sends nothing
 
     def on_message_begin(self) -> None:
@@ -160,12 +177,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.transport.close()
         super().on_response_complete()
 
-    def _refuse(self, status: bytes, code: str, message: str) -> None:
+    def _refuse(self, status: bytes, code: str, message: str, extra_headers: bytes = b"") -> None:
         """Answer ``status`` with Ember's JSON error in its turn on the wire, and close."""
         body = json.dumps(error_body(code, message)).encode()
         answer = (
-            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%s"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (status, extra_headers, len(body), body)
         )
         cycle = self.cycle  # the last request whose headers were read (None: none yet)
         if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
@@ -179,12 +196,23 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self._refusal = answer  # a later request failed: answer after the earlier ones
 
 
+def default_max_connections() -> int:
+    """Half the process's soft open-file limit: the other half stays for everything else
+    (the engine's files, pool sessions, the gateway's connections to workers)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def server_config(app: Any, limits: HeaderLimits, **options: Any) -> uvicorn.Config:
     """A uvicorn config serving ``app`` with the header bounds of ``limits`` (``options``
     are further ``uvicorn.Config`` arguments)."""
     protocol = type(
         "EmberHttpProtocol",
         (HeaderTimeoutProtocol,),
-        {"header_timeout_s": limits.header_timeout_s, "max_header_bytes": limits.max_header_bytes},
+        {
+            "header_timeout_s": limits.header_timeout_s,
+            "max_header_bytes": limits.max_header_bytes,
+            "max_connections": limits.max_connections,
+        },
     )
     return uvicorn.Config(app, http=protocol, **options)

@@ -53,11 +53,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.assignment import assign
 from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed
-from runtime.errors import EmberRuntimeError
+from runtime.errors import EmberRuntimeError, route_error
 from runtime.intra_op import claim_engine_thread
 from runtime.messages import AssignMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
@@ -312,6 +313,7 @@ def build_openwhisk_app(action: ActionState, prepare: Prepare) -> FastAPI:
     app = FastAPI(
         title="ember openwhisk action", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    app.add_exception_handler(StarletteHTTPException, route_error)  # 404/405 in Ember's error body
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

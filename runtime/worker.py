@@ -41,13 +41,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
 from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
 from runtime.engine.engine import Engine
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
-from runtime.errors import EmberRuntimeError, error_body
+from runtime.errors import EmberRuntimeError, error_body, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelTemplate, load_template, warm_up
@@ -60,7 +61,7 @@ from runtime.openai_tools import tool_message
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.server_timing import ServerTiming
-from runtime.worker_guard import GuardConfig, WorkerGuard
+from runtime.worker_guard import AUTHORIZED, GuardConfig, WorkerGuard
 
 DEFAULT_HANDLER = "default"
 # Idle keep-alive of the worker's connections (s): longer than the gateway's pool keeps an
@@ -139,7 +140,7 @@ async def _json(raw: Request) -> Any:
     """The request's JSON body, or a 400 response (invalid or too deeply nested JSON)."""
     try:
         return json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also an integer over 4300 digits
         return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
 
 
@@ -171,10 +172,13 @@ def build_app(state: WorkerState) -> FastAPI:
             state.close()
 
     app = FastAPI(title="ember worker", lifespan=lifespan)
+    app.add_exception_handler(StarletteHTTPException, route_error)  # 404/405 in Ember's error body
     app.add_middleware(ServerTiming)
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz(raw: Request) -> dict[str, Any]:
+        if not raw.scope.get(AUTHORIZED, False):
+            return {"status": "ok"}  # liveness only: what it serves is for the credential's holder
         a = state.assignment
         if a is None:
             ready = {"status": "ok", "templates": sorted(state.templates)}

@@ -257,6 +257,8 @@ def load_yaml(text: str, max_depth: int = MAX_YAML_DEPTH, max_nodes: int = MAX_Y
             # loop the 33rd start event (it scans ahead): the same error, in one wording.
             raise SpecError(f"malformed YAML: nested deeper than {max_depth} levels") from None
         raise SpecError(f"malformed YAML: {exc}") from None
+    except ValueError as exc:  # an integer over the interpreter's 4300 digits
+        raise SpecError(f"malformed YAML: {exc}") from None
     _check_nodes(document, max_nodes)
     return document
 

@@ -223,6 +223,34 @@ def test_deep_json_is_400_everywhere(edge: ServeProcess) -> None:
         assert spec.status_code == 400 and spec.json()["error"]["type"] == "invalid_function_spec"
 
 
+HUGE_INT = "9" * 5000  # Python refuses to convert integers over 4300 digits (a ValueError)
+
+
+def test_an_integer_of_5000_digits_is_400_on_the_same_connection(edge: ServeProcess) -> None:
+    chat = f'{{"model": "edge", "messages": [], "max_tokens": {HUGE_INT}}}'.encode()
+    spec_yaml = f"apiVersion: ember.dev/v1\nkind: Function\nmetadata: {{name: a}}\nspec: {{n: {HUGE_INT}}}\n"
+    requests = [
+        (request_bytes("POST", path, chat, JSON), "invalid_request_error") for path in INVOCATION_PATHS
+    ] + [
+        (
+            request_bytes("POST", "/v1/functions", f'{{"n": {HUGE_INT}}}'.encode(), JSON),
+            "invalid_function_spec",
+        ),
+        (request_bytes("POST", "/v1/functions", spec_yaml.encode(), YAML), "invalid_function_spec"),
+        (request_bytes("POST", "/v1/tenants", f'{{"namespace": {HUGE_INT}}}'.encode(), JSON), None),
+    ]
+    with connect(edge.url) as sock:
+        for raw, kind in requests:
+            sock.sendall(raw)
+            response = read_response(sock)
+            assert response.status == 400, (raw[:60], response.body)
+            if kind is not None:
+                assert json.loads(response.body)["error"]["type"] == kind, response.body
+            assert response.headers.get("connection") != "close"
+            sock.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(sock).status == 200, raw[:60]
+
+
 BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)
 )

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -23,12 +24,21 @@ pytestmark = pytest.mark.slow
 
 MAX_BODY = 64 << 10  # the worker's bound in these tests (bytes)
 CONTEXT = 256  # the tiny model's context (tokens)
+MB = 1 << 20
+
+
+class Worker(NamedTuple):
+    url: str
+    token: str  # its credential
+    pid: int
+
+
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """``ember worker`` serving the tiny model; (URL, credential) from its readiness line."""
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """``ember worker`` serving the tiny model, as its readiness line names it."""
     root = tmp_path_factory.mktemp("tiny")
     write_tiny_gguf(root / "tiny.gguf", hf_weights(3))
     tiny: RegisteredModel = register(str(root / "tiny.gguf"), "float32", home=root / "home")
@@ -43,15 +53,15 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
         ready = json.loads(line)
-        yield ready["url"], ready["token"]
+        yield Worker(ready["url"], ready["token"], ready["pid"])
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
         pool.stop()
 
 
-def test_every_route_but_healthz_needs_the_credential(worker: tuple[str, str]) -> None:
-    url, token = worker
+def test_every_route_but_healthz_needs_the_credential(worker: Worker) -> None:
+    url, token = worker.url, worker.token
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/healthz").json()["status"] == "ok"
         routes = ["/invoke", "/v1/chat/completions", "/v1/completions", "/_ember/assign", "/_ember/preload",
@@ -65,8 +75,26 @@ def test_every_route_but_healthz_needs_the_credential(worker: tuple[str, str]) -
         assert ok.status_code == 200, ok.text
 
 
-def test_malformed_agent_messages_are_400(worker: tuple[str, str]) -> None:
-    url, token = worker
+def test_healthz_tells_what_the_worker_serves_only_to_the_credentials_holder(worker: Worker) -> None:
+    with httpx.Client(base_url=worker.url, timeout=60) as http:
+        for headers in ({}, {TOKEN_HEADER: "x" * len(worker.token)}):
+            assert http.get("/healthz", headers=headers).json() == {"status": "ok"}
+        health = http.get("/healthz", headers={TOKEN_HEADER: worker.token}).json()
+        assert health["status"] == "ok" and health["function"] == "tiny" and health["state"] == "serving"
+
+
+def test_unknown_routes_and_methods_answer_embers_error_body(worker: Worker) -> None:
+    with httpx.Client(base_url=worker.url, headers={TOKEN_HEADER: worker.token}, timeout=60) as http:
+        for method, path, status, kind in (
+            ("GET", "/nope", 404, "not_found"),
+            ("GET", "/invoke", 405, "method_not_allowed"),
+        ):
+            resp = http.request(method, path)
+            assert resp.status_code == status and resp.json()["error"]["type"] == kind, resp.text
+
+
+def test_malformed_agent_messages_are_400(worker: Worker) -> None:
+    url, token = worker.url, worker.token
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         for body in ({"num_threads": True}, {"num_threads": 2, "extra": 1}, {"num_threads": 10**9}):
             resp = http.post("/_ember/threads", json=body)
@@ -76,8 +104,8 @@ def test_malformed_agent_messages_are_400(worker: tuple[str, str]) -> None:
         assert http.post("/_ember/threads", json={"num_threads": 1}).json() == {"num_threads": 1}
 
 
-def test_oversized_bodies_are_413_before_buffering(worker: tuple[str, str]) -> None:
-    url, token = worker
+def test_oversized_bodies_are_413_before_buffering(worker: Worker) -> None:
+    url, token = worker.url, worker.token
     big = json.dumps({"prompt": "a" * (MAX_BODY + 1)}).encode()
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         resp = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
@@ -92,8 +120,51 @@ def test_oversized_bodies_are_413_before_buffering(worker: tuple[str, str]) -> N
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
 
 
-def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: tuple[str, str]) -> None:
-    url, token = worker
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) of process ``pid``, in KiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0])
+    return fields
+
+
+def test_50mb_bodies_leave_the_workers_memory_as_it_was(worker: Worker) -> None:
+    """Twenty 50 MB bodies, half declared and half chunked: each is refused at the bound, and
+    the worker's peak RSS does not grow by more than noise (none of the bodies is buffered)."""
+    body = b"[" * (50 * MB)
+    before = memory_kib(worker.pid)
+    with httpx.Client(base_url=worker.url, headers={TOKEN_HEADER: worker.token}, timeout=60) as http:
+        for i in range(20):
+
+            def chunks() -> Iterator[bytes]:
+                for start in range(0, len(body), MB):
+                    yield body[start : start + MB]
+
+            content = body if i % 2 else chunks()
+            resp = http.post(
+                "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+            )
+            assert resp.status_code == 413 and resp.json()["error"]["type"] == "request_too_large"
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
+    after = memory_kib(worker.pid)
+    assert after["VmHWM"] - before["VmHWM"] < 24 << 10, (before, after)
+    assert after["VmRSS"] - before["VmRSS"] < 24 << 10, (before, after)
+
+
+def test_an_integer_of_5000_digits_is_a_400(worker: Worker) -> None:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}"
+    with httpx.Client(base_url=worker.url, headers={TOKEN_HEADER: worker.token}, timeout=60) as http:
+        for path in ("/v1/chat/completions", "/v1/completions", "/invoke"):
+            resp = http.post(path, content=body, headers={"content-type": "application/json"})
+            assert resp.status_code == 400, (path, resp.text)
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # the same connection
+
+
+def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: Worker) -> None:
+    url, token = worker.url, worker.token
     prompt = "word " * (CONTEXT * 32 // 5 + 1)  # under the body bound, over 32 characters a token
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         t0 = time.perf_counter()
@@ -114,9 +185,9 @@ def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: t
      ("stream_options", {"include_usage": True})],  # without stream: true
 )  # fmt: skip
 def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
-    worker: tuple[str, str], field: str, value: object
+    worker: Worker, field: str, value: object
 ) -> None:
-    url, token = worker
+    url, token = worker.url, worker.token
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
         assert resp.status_code == 400
@@ -130,9 +201,9 @@ def test_unimplemented_and_unknown_openai_fields_are_400s_naming_the_field(
         assert http.post("/v1/chat/completions", json={**CHAT, **harmless}).status_code == 200
 
 
-def test_ignore_eos_decodes_exactly_max_tokens(worker: tuple[str, str]) -> None:
+def test_ignore_eos_decodes_exactly_max_tokens(worker: Worker) -> None:
     """vLLM's ``ignore_eos`` over HTTP: the benchmark's fixed-length decode (it was a 400)."""
-    url, token = worker
+    url, token = worker.url, worker.token
     with httpx.Client(base_url=url, headers={TOKEN_HEADER: token}, timeout=60) as http:
         resp = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 24, "ignore_eos": True})
         assert resp.status_code == 200, resp.text

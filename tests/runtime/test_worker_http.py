@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 MB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "worker-http-" + "t" * 20
+MAX_CONNECTIONS = 8
 
 
 def start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
@@ -41,8 +42,15 @@ def start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[tuple[str, int]]:
-    """(URL, pid) of a pre-warmed worker with a 1 s header timeout and a 64 KiB header cap."""
-    proc = start_worker({"EMBER_HEADER_TIMEOUT": "1", "EMBER_MAX_HEADER_BYTES": str(64 << 10)})
+    """(URL, pid) of a pre-warmed worker with 1 s header and body timeouts, a 64 KiB header
+    cap and at most ``MAX_CONNECTIONS`` connections."""
+    env = {
+        "EMBER_HEADER_TIMEOUT": "1",
+        "EMBER_BODY_TIMEOUT": "1",
+        "EMBER_MAX_HEADER_BYTES": str(64 << 10),
+        "EMBER_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+    }
+    proc = start_worker(env)
     try:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(TOKEN + "\n")  # the credential, as the agent sends it
@@ -142,8 +150,64 @@ def test_a_keep_alive_connection_outlives_the_header_timeout(worker: tuple[str, 
             time.sleep(0.6)
 
 
+def test_a_request_without_the_credential_is_401_and_closed_before_its_body(worker: tuple[str, int]) -> None:
+    """The worker does not wait for the body of a request it refuses (a flood of such requests,
+    each declaring a body it never sends, held 4,096 connections for ~75 s each)."""
+    url, _ = worker
+    with connect(url) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(b"POST /invoke HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n")
+        response = read_response(sock)
+        assert_error(response, 401, "unauthorized")
+        assert response.headers["connection"] == "close"
+        assert closed_by_peer(sock) and time.perf_counter() - t0 < 0.9  # not the 1 s body timeout
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(worker: tuple[str, int]) -> None:
+    url, _ = worker
+    head = f"POST /invoke HTTP/1.1\r\nhost: t\r\n{TOKEN_HEADER}: {TOKEN}\r\ncontent-length: 100\r\n\r\n"
+    with connect(url) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(head.encode() + b'{"a": ')  # then nothing more
+        assert "did not arrive within 1 s" in assert_error(read_response(sock), 408, "request_timeout")
+        assert closed_by_peer(sock)
+        assert 0.9 < time.perf_counter() - t0 < 3.0
+
+
+def test_connections_beyond_the_cap_are_503_and_closed_at_once(worker: tuple[str, int]) -> None:
+    url, _ = worker
+    held = [connect(url) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # each idles on keep-alive after a request (no header timer runs)
+            sock.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(sock).status == 200
+        with connect(url) as extra:
+            response = read_response(extra)
+            assert "connections open" in assert_error(response, 503, "server_busy")
+            assert response.headers["retry-after"] == "1"
+            assert closed_by_peer(extra)
+        held.pop().close()
+        time.sleep(0.1)
+        with connect(url) as again:  # below the cap: served
+            again.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(again).status == 200
+        for sock in held:  # the held connections still serve
+            sock.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(sock).status == 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
 @pytest.mark.parametrize(
-    "env", [{"EMBER_HEADER_TIMEOUT": "0"}, {"EMBER_HEADER_TIMEOUT": "soon"}, {"EMBER_MAX_HEADER_BYTES": "1"}]
+    "env",
+    [
+        {"EMBER_HEADER_TIMEOUT": "0"},
+        {"EMBER_HEADER_TIMEOUT": "soon"},
+        {"EMBER_MAX_HEADER_BYTES": "1"},
+        {"EMBER_MAX_CONNECTIONS": "0"},
+        {"EMBER_BODY_TIMEOUT": "-1"},
+    ],
 )
 def test_bad_header_limits_stop_the_worker_loudly(env: dict[str, str]) -> None:
     proc = start_worker(env)
