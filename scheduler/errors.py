@@ -32,6 +32,14 @@ class FunctionQuotaExceeded(SchedulerError):
     code = "function_quota_exceeded"
 
 
+class WarmQuotaExceeded(FunctionQuotaExceeded):
+    """A deploy whose ``minScale`` would take its namespace's always-on instances (the sum of
+    its functions' ``minScale``) past the namespace's quota: instances kept up without any
+    request are capacity a tenant reserves, so they are bounded like its functions."""
+
+    code = "min_scale_quota_exceeded"
+
+
 class StateNotWritable(SchedulerError):
     """Redis is up but refuses writes (HTTP 503 with Retry-After): the state store cannot write."""
 

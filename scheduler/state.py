@@ -40,6 +40,7 @@ from scheduler.errors import (
     StateOutOfMemory,
     StatePersistenceFailed,
     StateUnavailable,
+    WarmQuotaExceeded,
 )
 from scheduler.records import ENCODING_VERSION, DeviceReport, FunctionRecord, Instance, ModelRef, RecordError
 
@@ -50,26 +51,43 @@ _UNBOUNDED = 2**31 - 1  # "desired" instances for add_instance: scale_up never d
 
 _T = TypeVar("_T")
 
-# Store a function unless it is new and its namespace already holds ARGV[3] functions (a
-# redeploy never counts twice). KEYS: functions hash. ARGV: id, record ('' only checks, storing
-# nothing), cap, the namespace's id prefix ('' for the default namespace, whose ids have no
-# '/'). Returns -1 when there is room (and the record was stored), else the namespace's count.
-# Counting scans every id (HKEYS), but only for a new name: deploys are rare next to
-# invocations, and one script keeps concurrent deploys under the cap.
+
+# Store a function within its namespace's quotas. KEYS: the function hash, the minScale hash
+# (function id -> its minScale, for the namespace's always-on sum). ARGV: id, record (''
+# stores nothing), cap of functions, the namespace's id prefix ('' for the default namespace,
+# whose ids have no '/'), the function's minScale, the namespace's cap of their sum. Returns
+# {0, 0} when there is room (and the record was stored), {1, count} when the namespace holds
+# its cap of functions, {2, sum} when its other functions' minScale leave too little.
+# Counting scans every id, but only on deploys: rare next to invocations, and one script keeps
+# concurrent deploys under both caps. A redeploy is not a new function (only minScale counts).
 _PUT_FUNCTION = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
-  local n, prefix = 0, ARGV[4]
-  for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
-    if prefix == '' then
-      if not string.find(id, '/', 1, true) then n = n + 1 end
-    elseif string.sub(id, 1, #prefix) == prefix then
-      n = n + 1
-    end
-  end
-  if n >= tonumber(ARGV[3]) then return n end
+local function mine(id, prefix)
+  if prefix == '' then return not string.find(id, '/', 1, true) end
+  return string.sub(id, 1, #prefix) == prefix
 end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-return -1
+local prefix = ARGV[4]
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+  local n = 0
+  for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if mine(id, prefix) then n = n + 1 end
+  end
+  if n >= tonumber(ARGV[3]) then return {1, n} end
+end
+local warm = 0
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  if held[i] ~= ARGV[1] and mine(held[i], prefix) then warm = warm + tonumber(held[i + 1]) end
+end
+if tonumber(ARGV[5]) > 0 and warm + tonumber(ARGV[5]) > tonumber(ARGV[6]) then return {2, warm} end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  if tonumber(ARGV[5]) > 0 then
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
+  else
+    redis.call('HDEL', KEYS[2], ARGV[1])
+  end
+end
+return {0, 0}
 """
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
@@ -253,30 +271,49 @@ class ClusterState:
         spec_document: dict[str, Any],
         model: ModelRef | None = None,
         max_in_namespace: int | None = None,
+        max_min_scale: int | None = None,
     ) -> None:
         """Store a function's spec and, once registered, its model. With ``max_in_namespace``,
-        a new function whose namespace already holds that many is :class:`FunctionQuotaExceeded`
-        (checked and stored atomically; replacing a stored function always succeeds)."""
-        value = FunctionRecord.create(name, spec_document, model).to_json()
-        if max_in_namespace is None:
-            self._call(lambda: self.r.hset(f"{self.p}functions", name, value))
-        else:
-            self._put_within(name, value, max_in_namespace)
+        a new function whose namespace already holds that many is :class:`FunctionQuotaExceeded`;
+        with ``max_min_scale``, one whose ``minScale`` would take the sum over its namespace's
+        functions past it is :class:`WarmQuotaExceeded` (checked and stored atomically; a
+        redeploy is not a new function, and its old ``minScale`` does not count)."""
+        record = FunctionRecord.create(name, spec_document, model)
+        self._put_within(name, record.to_json(), record.scaling.min_scale, max_in_namespace, max_min_scale)
 
-    def check_room(self, name: str, max_in_namespace: int) -> None:
-        """:class:`FunctionQuotaExceeded` where :meth:`put_function` would raise it now: an early
-        check before a deploy's costly steps (only ``put_function`` holds under concurrent deploys)."""
-        self._put_within(name, "", max_in_namespace)
+    def check_room(
+        self,
+        name: str,
+        max_in_namespace: int,
+        spec_document: dict[str, Any] | None = None,
+        max_min_scale: int | None = None,
+    ) -> None:
+        """The quota error :meth:`put_function` would raise now (for ``spec_document``'s
+        ``minScale``, when given): an early check before a deploy's costly steps (only
+        ``put_function`` holds under concurrent deploys)."""
+        min_scale = (
+            0 if spec_document is None else FunctionRecord.create(name, spec_document).scaling.min_scale
+        )
+        self._put_within(name, "", min_scale, max_in_namespace, max_min_scale)
 
-    def _put_within(self, name: str, value: str, cap: int) -> None:
+    def _put_within(
+        self, name: str, value: str, min_scale: int, max_functions: int | None, max_min_scale: int | None
+    ) -> None:
         namespace = names.split(name)[0]
         prefix = "" if namespace == names.DEFAULT_NAMESPACE else f"{namespace}/"
-        args: list[str | int] = [name, value, cap, prefix]
-        held = int(self._call(lambda: self._put_function(keys=[f"{self.p}functions"], args=args)))
-        if held >= 0:
+        caps = [_UNBOUNDED if cap is None else cap for cap in (max_functions, max_min_scale)]
+        args: list[str | int] = [name, value, caps[0], prefix, min_scale, caps[1]]
+        keys = [f"{self.p}functions", f"{self.p}function_min_scale"]
+        verdict, held = self._call(lambda: self._put_function(keys=keys, args=args))
+        if int(verdict) == 1:
             raise FunctionQuotaExceeded(
-                f"namespace {namespace!r} holds {held} functions, its limit is {cap}: "
+                f"namespace {namespace!r} holds {held} functions, its limit is {caps[0]}: "
                 "delete one before deploying another"
+            )
+        if int(verdict) == 2:
+            raise WarmQuotaExceeded(
+                f"spec.scaling.minScale: namespace {namespace!r} keeps {held} instances up by minScale, "
+                f"its limit is {caps[1]}: {min_scale} more do not fit"
             )
 
     def function(self, name: str, retry: bool = True) -> FunctionRecord:
@@ -311,7 +348,13 @@ class ClusterState:
         return sorted(k[len(f"{self.p}fn:") : -len(":instances")] for k in keys)
 
     def delete_function(self, name: str) -> None:
-        if not self._call(lambda: self.r.hdel(f"{self.p}functions", name)):
+        def delete() -> int:
+            pipe = self.r.pipeline()  # MULTI/EXEC: the record and its minScale go together
+            pipe.hdel(f"{self.p}functions", name)
+            pipe.hdel(f"{self.p}function_min_scale", name)
+            return int(pipe.execute()[0])
+
+        if not self._call(delete):
             raise FunctionNotFound(f"function {name!r} is not deployed")
 
     # ----- instances ---------------------------------------------------------------------

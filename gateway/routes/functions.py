@@ -58,10 +58,10 @@ def function_routes(
         spec, files = await asyncio.to_thread(_parse_spec, raw, request.headers.get("content-type", ""))
         spec = who.place(spec)  # a tenant's own namespace; 403 for another
         function_id = names.qualified(spec.metadata.namespace, spec.name)
-        cap = config.deploy.max_functions_per_namespace
+        caps = (config.deploy.max_functions_per_namespace, config.deploy.max_min_scale_per_namespace)
         # A full namespace is refused before the handler is stored and the model registered;
         # put_function below checks again, atomically (concurrent deploys).
-        await asyncio.to_thread(state.check_room, function_id, cap)
+        await asyncio.to_thread(state.check_room, function_id, caps[0], spec.to_document(), caps[1])
         deployments = serving.deployments if serving is not None else None
         if deployments is not None:  # a spec Knative cannot express: 400 before anything is stored
             await asyncio.to_thread(deployments.check, FunctionRecord.create(function_id, spec.to_document()))
@@ -83,7 +83,7 @@ def function_routes(
             previous: FunctionRecord | None = await asyncio.to_thread(state.function, function_id)
         except FunctionNotFound:
             previous = None
-        await asyncio.to_thread(state.put_function, function_id, document, model, cap)
+        await asyncio.to_thread(state.put_function, function_id, document, model, *caps)
         if deployments is not None:
             record = FunctionRecord.create(function_id, document, model)
             try:

@@ -90,6 +90,34 @@ def test_unreachable_redis_is_a_503(tmp_path: Path) -> None:
     state.close()
 
 
+def test_a_namespaces_min_scale_sum_is_bounded_with_409(state: ClusterState) -> None:
+    """EMBER_MAX_MIN_SCALE_PER_NAMESPACE: instances kept up without requests are a quota over the
+    namespace's functions together (a tenant's minScale 50 once took the machine)."""
+    config = GatewayConfig(deploy=DeployLimits(max_min_scale_per_namespace=4))
+    yaml = {"content-type": "application/yaml"}
+
+    def spec(name: str, min_scale: int, namespace: str = "default") -> str:
+        return SPEC.replace("{name: smollm2-chat}", f"{{name: {name}, namespace: {namespace}}}").replace(
+            "scaling: {", f"scaling: {{minScale: {min_scale}, maxScale: 8, "
+        )
+
+    with TestClient(create_app(state, config)) as http:
+        assert http.post("/v1/functions", content=spec("a", 3), headers=yaml).status_code == 201
+        refused = http.post("/v1/functions", content=spec("b", 2), headers=yaml)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "min_scale_quota_exceeded"
+        assert "spec.scaling.minScale" in error["message"] and "keeps 3" in error["message"]
+        assert http.get("/v1/functions/b").status_code == 404  # nothing stored
+        assert http.post("/v1/functions", content=spec("b", 1), headers=yaml).status_code == 201
+        assert http.post("/v1/functions", content=spec("c", 0), headers=yaml).status_code == 201  # 0 is free
+        assert http.post("/v1/functions", content=spec("a", 3), headers=yaml).status_code == 201  # its own 3
+        assert http.post("/v1/functions", content=spec("a", 4), headers=yaml).status_code == 409
+        assert http.post("/v1/functions", content=spec("a", 4, "team"), headers=yaml).status_code == 201
+        assert http.delete("/v1/functions/a").status_code == 204  # its minScale goes with it
+        assert http.post("/v1/functions", content=spec("b", 4), headers=yaml).status_code == 201
+
+
 def test_a_full_namespace_refuses_new_functions_with_409(state: ClusterState, tmp_path: Path) -> None:
     """EMBER_MAX_FUNCTIONS_PER_NAMESPACE: a quota, refused before an uploaded handler is stored;
     redeploys and other namespaces are not affected."""

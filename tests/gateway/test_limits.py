@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.limits import DEFAULT_MAX_FUNCTIONS, DeployLimits, EdgeLimits, JSONError, load_json
+from gateway.limits import (
+    DEFAULT_MAX_FUNCTIONS,
+    DEFAULT_MAX_MIN_SCALE,
+    DeployLimits,
+    EdgeLimits,
+    JSONError,
+    load_json,
+)
 
 
 def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,6 +53,16 @@ def test_the_function_quota_comes_from_the_environment(monkeypatch: pytest.Monke
     for bad in ("0", "-1", "many", "1e3", "1000001"):
         monkeypatch.setenv("EMBER_MAX_FUNCTIONS_PER_NAMESPACE", bad)
         with pytest.raises(ValueError, match="EMBER_MAX_FUNCTIONS_PER_NAMESPACE"):
+            DeployLimits.from_env()
+
+
+def test_the_min_scale_quota_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DeployLimits.from_env().max_min_scale_per_namespace == DEFAULT_MAX_MIN_SCALE
+    monkeypatch.setenv("EMBER_MAX_MIN_SCALE_PER_NAMESPACE", "0")  # no instance kept up without requests
+    assert DeployLimits.from_env() == DeployLimits(DEFAULT_MAX_FUNCTIONS, 0)
+    for bad in ("-1", "many", "2.5", "1000001"):
+        monkeypatch.setenv("EMBER_MAX_MIN_SCALE_PER_NAMESPACE", bad)
+        with pytest.raises(ValueError, match="EMBER_MAX_MIN_SCALE_PER_NAMESPACE"):
             DeployLimits.from_env()
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from scheduler.errors import FunctionQuotaExceeded
+from scheduler.errors import FunctionQuotaExceeded, WarmQuotaExceeded
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
 
@@ -64,3 +64,30 @@ def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) ->
         assert len(check.list_functions()) == 5
     finally:
         check.close()
+
+
+def test_concurrent_deploys_never_exceed_the_min_scale_sum(redis_server: EmbeddedRedis) -> None:
+    """16 gateways deploy 16 functions of minScale 2 into one namespace whose sum may reach 10."""
+    barrier = threading.Barrier(16)
+    outcomes: list[bool] = []
+
+    def gateway(i: int) -> None:
+        s = ClusterState.from_url(redis_server.url)
+        document = {**spec(f"team/f{i}"), "spec": {"scaling": {"minScale": 2, "maxScale": 2}}}
+        try:
+            s.check_room(f"team/f{i}", 100, document, 10)  # every early check passes
+            barrier.wait()
+            s.put_function(f"team/f{i}", document, max_in_namespace=100, max_min_scale=10)
+            outcomes.append(True)
+        except WarmQuotaExceeded:
+            outcomes.append(False)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=gateway, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes) == [False] * 11 + [True] * 5
+    assert issubclass(WarmQuotaExceeded, FunctionQuotaExceeded)  # a 409, like the function cap
