@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -107,7 +107,12 @@ def function_spec(name: str) -> dict[str, Any]:
     }
 
 
-def chat_once(http: httpx.Client) -> str:
+class Answer(NamedTuple):
+    result: str  # as Outcome.result
+    detail: str = ""  # the status and error type of an error
+
+
+def chat_once(http: httpx.Client) -> Answer:
     body = {
         "model": "chat",
         "messages": [{"role": "user", "content": "Count to ten."}],
@@ -121,25 +126,30 @@ def chat_once(http: httpx.Client) -> str:
             return _clear(resp)
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
-        return "none"  # the stream ended without its terminator
-    errors = [e for e in events[:-1] if "error" in json.loads(e)]
-    return "ok" if not errors else "error" if len(errors) == 1 else "none"
+        return Answer("none", "no [DONE]")  # the stream ended without its terminator
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    detail = " ".join(f"stream:{e.get('type')}" for e in errors)
+    return Answer("ok") if not errors else Answer("error" if len(errors) == 1 else "none", detail)
 
 
-def echo_once(http: httpx.Client, n: int) -> str:
+def echo_once(http: httpx.Client, n: int) -> Answer:
     resp = http.post("/v1/functions/echo/invoke", json={"n": n})
     if resp.status_code == 200:
-        return "ok" if resp.json().get("n") == n else "none"
+        return Answer("ok") if resp.json().get("n") == n else Answer("none", "wrong answer")
     return _clear(resp)
 
 
-def _clear(resp: httpx.Response) -> str:
-    """A 4xx/5xx with a JSON error body is one clear error; anything else is not."""
+def _clear(resp: httpx.Response) -> Answer:
+    """One clear error: a 5xx (the fault is the server's, not the client's request) with Ember's
+    JSON error body, and a ``Retry-After`` when it is a 503; anything else is not."""
     try:
         kind = resp.json()["error"]["type"]
     except (ValueError, KeyError, TypeError):
-        return "none"
-    return "error" if resp.status_code >= 400 and isinstance(kind, str) else "none"
+        return Answer("none", f"{resp.status_code} without Ember's error body")
+    detail = f"{resp.status_code}:{kind}"
+    if resp.status_code == 503 and "retry-after" not in resp.headers:
+        return Answer("none", f"{detail} without Retry-After")
+    return Answer("error" if resp.status_code >= 500 and isinstance(kind, str) else "none", detail)
 
 
 class Load:
@@ -172,7 +182,9 @@ class Load:
                 start = time.monotonic()
                 detail = ""
                 try:
-                    result = chat_once(http) if kind == "chat" else echo_once(http, next(self._numbers))
+                    result, detail = (
+                        chat_once(http) if kind == "chat" else echo_once(http, next(self._numbers))
+                    )
                 except (httpx.HTTPError, ValueError) as exc:
                     result, detail = "none", repr(exc)  # dropped connection, timeout, malformed body
                 with self._lock:
@@ -283,7 +295,7 @@ def run_suite(server: ServeProcess, home: Path, scratch: Path) -> list[FaultRow]
             resp = http.post("/v1/functions", json=document)
             if resp.status_code != 201:
                 raise RuntimeError(f"deploy failed: {resp.status_code} {resp.text}")
-        if chat_once(http) != "ok" or echo_once(http, -1) != "ok":
+        if chat_once(http).result != "ok" or echo_once(http, -1).result != "ok":
             raise RuntimeError("the functions did not answer before the faults")
 
         def pool() -> int:
