@@ -102,7 +102,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # set per server by :func:`server_config`
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # set per server by :func:`server_config`
-    max_connections: int | None = None  # set per server by :func:`server_config`; None: half the fd limit
+    max_connections: int = 1 << 20  # set per server by :func:`server_config`
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -122,9 +122,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts it in server_state.connections
-        cap = self.max_connections or default_max_connections()
-        if len(self.server_state.connections) > cap:
-            message = f"this server has {cap} connections open; retry shortly"
+        if len(self.server_state.connections) > self.max_connections:
+            message = f"this server has {self.max_connections} connections open; retry shortly"
             self._refuse(b"503 Service Unavailable", BUSY_CODE, message, b"retry-after: 1\r\n")
             return
         self._arm_header_timer()  # a client that connects and sends nothing
@@ -212,7 +211,8 @@ def server_config(app: Any, limits: HeaderLimits, **options: Any) -> uvicorn.Con
         {
             "header_timeout_s": limits.header_timeout_s,
             "max_header_bytes": limits.max_header_bytes,
-            "max_connections": limits.max_connections,
+            # Resolved now, after a worker has set its own open-file limit (runtime.worker_limits).
+            "max_connections": limits.max_connections or default_max_connections(),
         },
     )
     return uvicorn.Config(app, http=protocol, **options)

@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StringConstraints,
     ValidationError,
@@ -200,20 +201,22 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as OpenAI checks them: "5" or true is not a max_tokens, "0.5" not a
+    # temperature; NaN and infinities are no number at all.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # newer name of max_tokens; wins
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     # Token id (a decimal string, as JSON keys are) -> bias in [-100, 100]; ids are checked
     # against the model's vocabulary in sampling_params.
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS
     )
     stream: StrictBool = False
@@ -221,8 +224,8 @@ class SamplingFields(BaseModel):
     # vLLM's extensions (llama.cpp's server takes most too), under vLLM's names.
     ignore_eos: StrictBool = False  # decode past end-of-text: benchmarks ask for exact lengths
     top_k: StrictInt = Field(0, ge=-1, le=1 << 20)  # -1 or 0: no cut
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=2.0)
     min_tokens: StrictInt = Field(0, ge=0)
     # Accepted and ignored: ignoring them cannot change the response. End-user identifiers
     # (OpenAI's abuse monitoring), labels for stored completions, prompt-cache hints (a cache

@@ -176,6 +176,22 @@ def test_prompts_far_beyond_the_context_are_rejected_before_tokenizing(worker: W
 
 
 @pytest.mark.parametrize(
+    ("field", "raw"),
+    [("max_tokens", '"5"'), ("max_tokens", "true"), ("max_tokens", "5.5"), ("max_completion_tokens", '"5"'),
+     ("temperature", '"0.5"'), ("temperature", "false"), ("temperature", "NaN"), ("top_p", "Infinity"),
+     ("seed", '"7"'), ("presence_penalty", '"1"'), ("logit_bias", '{"5": "10"}')],
+)  # fmt: skip
+def test_wrong_types_are_400s_naming_the_field(worker: Worker, field: str, raw: str) -> None:
+    """As OpenAI checks them: no string-to-number or bool-to-number conversion, no NaN."""
+    chat = {key: value for key, value in CHAT.items() if key != field}
+    body = json.dumps(chat)[:-1] + f', "{field}": {raw}}}'
+    with httpx.Client(base_url=worker.url, headers={TOKEN_HEADER: worker.token}, timeout=60) as http:
+        resp = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"].split(".")[0] == field, resp.text  # logit_bias.5: its key
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [("n", 17), ("logprobs", 1), ("top_logprobs", 3), ("tools", "none"),
      ("tool_choice", "auto"), ("response_format", "json"), ("logit_bias", {"99999": 5}),
