@@ -231,7 +231,7 @@ def _stored_code(config: FunctionCodeConfig, record: FunctionRecord) -> HandlerC
     """The custom handler module the gateway stored for ``record`` (to render its ConfigMap)."""
     from gateway.function_code import read_stored
 
-    return read_stored(config, record.function_id, str(record.spec["spec"]["handler"]))
+    return read_stored(config, record.function_id, record.handler)
 
 
 def build_cluster(config: ClusterGatewayConfig) -> ClusterNode:
@@ -619,9 +619,8 @@ async def run_node(env: Mapping[str, str], stop: asyncio.Event | None = None) ->
         models = {}
         for record in state.functions().values():
             if record.model is not None:
-                model = record.spec["spec"]["model"]
                 models[record.model.model_id] = WantedModel(
-                    str(model["source"]), str(model["dtype"]), record.model.model_id
+                    record.model_source, record.model_dtype, record.model.model_id
                 )
         return list(models.values())
 

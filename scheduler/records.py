@@ -135,6 +135,9 @@ class FunctionRecord:
     updated: float
     scaling: Scaling
     max_tokens: int
+    handler: str  # spec.handler: "default" or the stored module's "path:function"
+    model_source: str  # spec.model.source and spec.model.dtype, as deployed
+    model_dtype: str
 
     @property
     def namespace(self) -> str:
@@ -156,6 +159,8 @@ class FunctionRecord:
         body = spec.get("spec")
         body = body if isinstance(body, Mapping) else {}
         max_tokens = _int(body.get("maxTokens", DEFAULT_MAX_TOKENS), "spec.maxTokens")
+        source = body.get("model")
+        source = source if isinstance(source, Mapping) else {}
         return cls(
             function_id,
             spec,
@@ -163,6 +168,9 @@ class FunctionRecord:
             time.time() if updated is None else updated,
             Scaling.parse(body.get("scaling")),
             max_tokens,
+            str(body.get("handler", "default")),
+            str(source.get("source", "")),
+            str(source.get("dtype", "bfloat16")),
         )
 
     def encode(self) -> dict[str, Any]:

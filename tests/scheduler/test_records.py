@@ -35,6 +35,10 @@ def test_a_record_stored_before_types_reads_with_its_fields_parsed_once(state: C
 def test_defaults_fill_a_spec_without_scaling_and_a_bad_version_is_refused() -> None:
     record = FunctionRecord.create("f", {"metadata": {"name": "f"}})
     assert (record.scaling.concurrency, record.scaling.keep_alive_s, record.max_tokens) == (8, 10.0, 2048)
+    assert (record.handler, record.model_source, record.model_dtype) == ("default", "", "bfloat16")
+    custom = {"spec": {"handler": "/f/m.py:handler", "model": {"source": "pkg:a/b.gguf", "dtype": "q4"}}}
+    parsed = FunctionRecord.create("f", custom)
+    assert (parsed.handler, parsed.model_source, parsed.model_dtype) == ("/f/m.py:handler", "pkg:a/b.gguf", "q4")
     with pytest.raises(StateConflict, match="version 2"):
         FunctionRecord.decode("f", json.dumps({"v": 2, "spec": {}}))
     for bad in ({"v": 1, "spec": []}, {"v": 1, "spec": {"spec": {"scaling": {"keepAlive": "soon"}}}}):
