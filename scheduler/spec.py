@@ -10,6 +10,7 @@ from __future__ import annotations
 import decimal
 import math
 import re
+import sys
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -257,8 +258,12 @@ def load_yaml(text: str, max_depth: int = MAX_YAML_DEPTH, max_nodes: int = MAX_Y
             # loop the 33rd start event (it scans ahead): the same error, in one wording.
             raise SpecError(f"malformed YAML: nested deeper than {max_depth} levels") from None
         raise SpecError(f"malformed YAML: {exc}") from None
-    except ValueError as exc:  # an integer over the interpreter's 4300 digits
-        raise SpecError(f"malformed YAML: {exc}") from None
+    except SpecError:
+        raise
+    except ValueError:  # int() refuses more digits than sys.get_int_max_str_digits()
+        raise SpecError(
+            f"malformed YAML: a number has more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     _check_nodes(document, max_nodes)
     return document
 

@@ -58,34 +58,40 @@ _T = TypeVar("_T")
 # whose ids have no '/'), the function's minScale, the namespace's cap of their sum. Returns
 # {0, 0} when there is room (and the record was stored), {1, count} when the namespace holds
 # its cap of functions, {2, sum} when its other functions' minScale leave too little.
-# Counting scans every id, but only on deploys: rare next to invocations, and one script keeps
-# concurrent deploys under both caps. A redeploy is not a new function (only minScale counts).
+# A function stored before the minScale hash existed has no entry there: its record is decoded
+# once (cjson) and the entry added, so an upgrade cannot leave minScale uncounted. Scanning
+# every id happens on deploys only: rare next to invocations, and one script keeps concurrent
+# deploys under both caps. A redeploy is not a new function (only its minScale counts).
 _PUT_FUNCTION = """
-local function mine(id, prefix)
+local prefix = ARGV[4]
+local function mine(id)
   if prefix == '' then return not string.find(id, '/', 1, true) end
   return string.sub(id, 1, #prefix) == prefix
 end
-local prefix = ARGV[4]
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+local function min_scale(id)
+  local held = redis.call('HGET', KEYS[2], id)
+  if held then return tonumber(held) end
+  local ok, record = pcall(cjson.decode, redis.call('HGET', KEYS[1], id))
   local n = 0
-  for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
-    if mine(id, prefix) then n = n + 1 end
+  if ok and type(record) == 'table' and type(record.spec) == 'table' and type(record.spec.spec) == 'table'
+      and type(record.spec.spec.scaling) == 'table' then
+    n = tonumber(record.spec.spec.scaling.minScale) or 0
   end
-  if n >= tonumber(ARGV[3]) then return {1, n} end
+  redis.call('HSET', KEYS[2], id, n)
+  return n
 end
-local warm = 0
-local held = redis.call('HGETALL', KEYS[2])
-for i = 1, #held, 2 do
-  if held[i] ~= ARGV[1] and mine(held[i], prefix) then warm = warm + tonumber(held[i + 1]) end
+local count, warm = 0, 0
+for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if mine(id) then
+    count = count + 1
+    if id ~= ARGV[1] then warm = warm + min_scale(id) end
+  end
 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and count >= tonumber(ARGV[3]) then return {1, count} end
 if tonumber(ARGV[5]) > 0 and warm + tonumber(ARGV[5]) > tonumber(ARGV[6]) then return {2, warm} end
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  if tonumber(ARGV[5]) > 0 then
-    redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
-  else
-    redis.call('HDEL', KEYS[2], ARGV[1])
-  end
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
 end
 return {0, 0}
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -91,3 +92,21 @@ def test_concurrent_deploys_never_exceed_the_min_scale_sum(redis_server: Embedde
         t.join(30)
     assert sorted(outcomes) == [False] * 11 + [True] * 5
     assert issubclass(WarmQuotaExceeded, FunctionQuotaExceeded)  # a 409, like the function cap
+
+
+def test_functions_stored_before_the_min_scale_index_count_too(state: ClusterState) -> None:
+    """Records written by an older Ember (no minScale index entry) count with their minScale."""
+    legacy = {
+        "metadata": {"name": "old", "namespace": "team"},
+        "spec": {"scaling": {"minScale": 3, "maxScale": 3}},
+    }
+    state.r.hset(
+        "ember:functions", "team/old", json.dumps({"v": 1, "spec": legacy, "model": None, "updated": 0})
+    )
+    state.r.hset("ember:functions", "team/broken", "not json")  # unreadable: counts as 0
+    document = {**spec("team/new"), "spec": {"scaling": {"minScale": 2, "maxScale": 2}}}
+    with pytest.raises(WarmQuotaExceeded, match="keeps 3 instances up by minScale, its limit is 4"):
+        state.put_function("team/new", document, max_min_scale=4)
+    assert state.r.hget("ember:function_min_scale", "team/old") == "3"  # indexed once, from the record
+    state.delete_function("team/old")
+    state.put_function("team/new", document, max_min_scale=4)

@@ -38,7 +38,11 @@ def test_defaults_fill_a_spec_without_scaling_and_a_bad_version_is_refused() -> 
     assert (record.handler, record.model_source, record.model_dtype) == ("default", "", "bfloat16")
     custom = {"spec": {"handler": "/f/m.py:handler", "model": {"source": "pkg:a/b.gguf", "dtype": "q4"}}}
     parsed = FunctionRecord.create("f", custom)
-    assert (parsed.handler, parsed.model_source, parsed.model_dtype) == ("/f/m.py:handler", "pkg:a/b.gguf", "q4")
+    assert (parsed.handler, parsed.model_source, parsed.model_dtype) == (
+        "/f/m.py:handler",
+        "pkg:a/b.gguf",
+        "q4",
+    )
     with pytest.raises(StateConflict, match="version 2"):
         FunctionRecord.decode("f", json.dumps({"v": 2, "spec": {}}))
     for bad in ({"v": 1, "spec": []}, {"v": 1, "spec": {"spec": {"scaling": {"keepAlive": "soon"}}}}):
