@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,13 +186,18 @@ def _too_large(cap: int) -> BodyTooLarge:
     return BodyTooLarge(f"the request body exceeds this route's limit of {cap} bytes")
 
 
+TOO_MANY_DIGITS = f"a number has more than {sys.get_int_max_str_digits()} digits"
+
+
 def load_json(body: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads(body)``, but :class:`JSONError` (never RecursionError) for invalid JSON or
     arrays/objects nested deeper than ``max_depth``."""
     try:
         document = json.loads(body)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer over 4300 digits
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise JSONError(str(exc)) from None
+    except ValueError:  # int() refuses more digits than sys.get_int_max_str_digits()
+        raise JSONError(TOO_MANY_DIGITS) from None
     except RecursionError:  # the C scanner stops at the interpreter's recursion limit
         raise JSONError(f"JSON nested deeper than {max_depth} levels") from None
     if isinstance(body, bytes):

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -140,8 +141,13 @@ async def _json(raw: Request) -> Any:
     """The request's JSON body, or a 400 response (invalid or too deeply nested JSON)."""
     try:
         return json.loads(await raw.body())
-    except (ValueError, RecursionError) as exc:  # ValueError: also an integer over 4300 digits
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
+    except ValueError:  # int() refuses more digits than sys.get_int_max_str_digits()
+        digits = sys.get_int_max_str_digits()
+        return _error(
+            400, "invalid_request_error", f"body is not valid JSON: a number has more than {digits} digits"
+        )
 
 
 def _failed(exc: RequestFailed) -> JSONResponse:
@@ -423,8 +429,6 @@ def serve(
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
-    import sys
-
     import uvicorn
 
     # Handlers' context.logger and the runtime log to stderr: the agent keeps it as the instance's log.

@@ -65,11 +65,11 @@ class LLM:
         return self._binding.template.model.model_id
 
     async def acomplete(self, prompt: str, **sampling: Any) -> Completion:
-        request = parse_request({"prompt": prompt, **sampling}, chat=False)
+        request = parse_request({"prompt": prompt, **_plain(sampling)}, chat=False)
         return await self._run(request)
 
     async def achat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
-        request = await parse_request_async({"messages": messages, **sampling}, chat=True)
+        request = await parse_request_async({"messages": messages, **_plain(sampling)}, chat=True)
         return await self._run(request)
 
     def complete(self, prompt: str, **sampling: Any) -> Completion:
@@ -121,3 +121,12 @@ class Context:
     def remaining_time(self) -> float:
         """Seconds left before the request's deadline (never negative)."""
         return max(0.0, self.deadline - time.time())
+
+
+def _plain(sampling: dict[str, Any]) -> dict[str, Any]:
+    """NumPy (or torch) scalars as the Python numbers they hold: a handler may compute
+    ``max_tokens`` or ``seed`` with them, and the request's types are strict (as OpenAI's)."""
+    return {
+        key: value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+        for key, value in sampling.items()
+    }
