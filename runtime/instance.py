@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
 from runtime.chat import ChatTemplate, ChatTemplateError
-from runtime.engine.engine import Engine, EngineConfig, StepOutput
+from runtime.engine.engine import Engine, EngineConfig, HangUp, StepOutput
 from runtime.engine.sampling import SamplingParams
 from runtime.openai_api import (
     ChatRequest,
@@ -351,14 +351,20 @@ class ModelBinding:
         constraints: list[Constraint] | None = None,
         arrival: float | None = None,
         adapter: str | None = None,
+        hang_up: HangUp | None = None,
     ) -> list[AsyncIterator[StepOutput]]:
         """One engine stream per choice (:func:`~runtime.openai_api.choice_params`), each under
         its own constraint when given and with LoRA ``adapter`` (a key of :attr:`adapters`' values);
         each adds its sequence when first iterated. ``arrival``: when the request came (its SLO
-        counts from then; see ``Engine.admit``)."""
+        counts from then; see ``Engine.admit``); ``hang_up``: stops them all when called."""
         return [
             self.engine.stream(
-                ids, choice_params(params, i), constraints[i] if constraints else None, arrival, adapter
+                ids,
+                choice_params(params, i),
+                constraints[i] if constraints else None,
+                arrival,
+                adapter,
+                hang_up,
             )
             for i in range(n)
         ]

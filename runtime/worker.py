@@ -43,11 +43,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
 from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
-from runtime.engine.engine import Engine
+from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
@@ -150,6 +151,21 @@ async def _json(raw: Request) -> Any:
         )
 
 
+class HangUpStreamingResponse(StreamingResponse):
+    """A streamed response that stops its requests' sequences the moment the client hangs up.
+    Starlette notices the hang-up but may not stop iterating the body (the stream went on to
+    its end, 1,000 SmolLM2 tokens and ~10 s of both cores for nobody): ``hang_up`` aborts the
+    sequences and ends their streams instead."""
+
+    def __init__(self, content: AsyncIterator[bytes], hang_up: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._hang_up = hang_up
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        await super().listen_for_disconnect(receive)
+        self._hang_up()  # after a finished response too: its sequences are finished, a no-op
+
+
 def _failed(exc: RequestFailed) -> JSONResponse:
     """No KV room, or no room within the SLO, is a 503 (retry later); an engine failure is a
     500 (a bug, logged)."""
@@ -201,6 +217,7 @@ def build_app(state: WorkerState) -> FastAPI:
             "instance_id": a.instance_id,
             "model": model,
             "num_threads": torch.get_num_threads(),  # intra-op threads (the agent's share of the cores)
+            "num_sequences": len(a.binding.engine.seqs),  # requests' choices the engine holds now
         }
 
     @app.post("/_ember/preload")
@@ -320,7 +337,16 @@ def build_app(state: WorkerState) -> FastAPI:
             return _failed(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
-        streams = a.binding.streams(ids, params, request.n, prepared.constraints, arrival, prepared.adapter)
+        hang_up = HangUp()
+        streams = a.binding.streams(
+            ids,
+            params,
+            request.n,
+            prepared.constraints,
+            arrival,
+            prepared.adapter,
+            hang_up if request.stream else None,
+        )
         reporter = a.binding.reporter(params)
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
@@ -345,7 +371,7 @@ def build_app(state: WorkerState) -> FastAPI:
                     echo,
                     request.continuous_usage,
                 )
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            return HangUpStreamingResponse(chunks, hang_up, media_type="text/event-stream")
         try:
             done = await collect(streams, ids, reporter)
         except RequestFailed as exc:

@@ -48,6 +48,25 @@ class EngineConfig:
             raise ValueError("block_size and refill_blocks must be >= 1")
 
 
+class HangUp:
+    """A request's client going away, for the streams of its choices: :meth:`__call__` stops
+    each one's sequence now. (A server that stops iterating a stream does not always close
+    it, and only a closed or ended stream aborts its sequence: until then the engine went on
+    decoding to ``max_tokens`` for nobody.)"""
+
+    def __init__(self) -> None:
+        self.happened = False
+        self._watched: list[tuple[Engine, int]] = []
+
+    def watch(self, engine: Engine, seq_id: int) -> None:
+        self._watched.append((engine, seq_id))
+
+    def __call__(self) -> None:
+        self.happened = True
+        for engine, seq_id in self._watched:
+            engine.hang_up(seq_id)
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one step produced for one sequence."""
@@ -347,6 +366,15 @@ class Engine:
         seq.finish_reason = FinishReason.STOP
         self.runner.forget(seq)
 
+    def hang_up(self, seq_id: int) -> None:
+        """Stop a streamed request whose client went away: abort it, and end its stream (its
+        consumer gets a last, empty output instead of waiting for tokens nobody reads)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return
+        self.abort(seq_id)
+        self._deliver(StepOutput(seq_id, None, "", FinishReason.STOP))
+
     def forget(self, seq_id: int) -> None:
         """Drop a request's records (after its results were read)."""
         self.abort(seq_id)
@@ -360,13 +388,18 @@ class Engine:
         constraint: TokenConstraint | None = None,
         arrival: float | None = None,
         adapter: str | None = None,
+        hang_up: HangUp | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs as steps produce them (someone must drive
         :meth:`step`, e.g. :meth:`run_forever`); ``arrival``: see :meth:`admit`; ``adapter``:
-        see :meth:`add_request`."""
+        see :meth:`add_request`; ``hang_up``: ends the stream early when its client goes away."""
+        if hang_up is not None and hang_up.happened:
+            return
         seq_id = self.add_request(prompt_ids, params, constraint, arrival, adapter)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[seq_id] = queue
+        if hang_up is not None:
+            hang_up.watch(self, seq_id)
         try:
             while True:
                 out = await queue.get()

@@ -183,3 +183,31 @@ def test_static_init_is_cached_dynamic_init_runs_per_request(
     assert all(r["tokens"] == 2 and 0 < r["left"] <= 300 for r in results)
     seen = [r["init_result"] for r in results]
     assert seen == ([0, 0, 0] if static else [0, 1, 2])
+
+
+def test_a_client_that_hangs_up_mid_stream_stops_the_workers_decoding(
+    server: ServeProcess, http: httpx.Client
+) -> None:
+    """1,000 tokens take SmolLM2 ~10 s here; a client that reads a few and hangs up must leave
+    the engine with nothing to decode at once, not after those 10 s."""
+    from scheduler.redis_server import EmbeddedRedis
+    from scheduler.state import ClusterState
+
+    assert http.post("/v1/functions", json=chat_spec("hangup", keep_alive="60s")).status_code == 201
+    body = {"model": "hangup", "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 6:
+                break  # then hang up
+    (inst,) = instances(http, "hangup")
+    state = ClusterState.from_url(EmbeddedRedis(server.home / "redis").url)
+    try:
+        token = state.r.hget(f"ember:instance:{inst['id']}", "token")
+    finally:
+        state.close()
+    health = httpx.Client(base_url=inst["url"], headers={"x-ember-worker-token": str(token)}, timeout=10)
+    with health:
+        wait_for(lambda: health.get("/healthz").json()["num_sequences"] == 0, timeout=3.0)

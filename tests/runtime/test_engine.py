@@ -387,6 +387,44 @@ def test_a_stream_abandoned_early_frees_its_slot_and_blocks(tiny: RegisteredMode
         assert engine.blocks.num_held == 0 and engine.seqs == {}
 
 
+def test_a_hang_up_stops_every_choice_while_their_streams_are_not_closed(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """The consumer neither closes its streams nor stops reading: the hang-up alone aborts the
+    sequences (their blocks and batch slots are freed) and ends each stream with an empty
+    last output, long before max_tokens."""
+    import asyncio
+
+    from runtime.engine.engine import HangUp
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client)
+        hang_up = HangUp()
+        outputs: list[list[StepOutput]] = [[], []]
+
+        async def read(i: int) -> None:
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            async for out in engine.stream(prompts(1)[0], params, hang_up=hang_up):
+                outputs[i].append(out)
+                if len(outputs[0]) == 2 and i == 0:
+                    hang_up()  # the client went away after two tokens of the first choice
+
+        async def run() -> None:
+            driver = asyncio.create_task(engine.run_forever())
+            try:
+                await asyncio.wait_for(asyncio.gather(read(0), read(1)), 30)
+                late = [o async for o in engine.stream([5, 6, 7], GREEDY, hang_up=hang_up)]
+                assert late == []  # a stream started after the hang-up never runs
+            finally:
+                driver.cancel()
+
+        asyncio.run(run())
+        for out in outputs:
+            assert len(out) < 10 and out[-1].token_id is None and out[-1].finish_reason is FinishReason.STOP
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        assert engine.blocks.num_held == 0 and engine.seqs == {}
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
     tiny: RegisteredModel, pool: PoolProcess
 ) -> None:
