@@ -63,13 +63,12 @@ class GuardConfig:
         inherits the agent's environment); ValueError naming it when bad."""
         from runtime.http_server import env_values
 
+        config = cls(token, max_body_bytes)  # the token and the bound are the caller's to fix
         values = env_values((("EMBER_BODY_TIMEOUT", "body_timeout_s", float),))
         try:
-            return cls(token, max_body_bytes, **values)
+            return cls(token, max_body_bytes, **values) if values else config
         except ValueError as exc:
-            if "body_timeout_s" in str(exc):
-                raise ValueError(f"EMBER_BODY_TIMEOUT: {exc}") from None
-            raise
+            raise ValueError(f"EMBER_BODY_TIMEOUT: {exc}") from None
 
 
 class WorkerGuard:

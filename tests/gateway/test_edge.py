@@ -20,6 +20,7 @@ import redis
 from gateway.spawn import ServeProcess
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.spec import parse_function
+from tests.proc_memory import memory_kib
 from tests.rawhttp import (
     assert_error,
     closed_by_peer,
@@ -52,16 +53,6 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
 
 
-def memory_kib(proc: ServeProcess) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of the serve process, in KiB."""
-    fields = {}
-    for line in Path(f"/proc/{proc.proc.pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
-
-
 @pytest.mark.parametrize("path", [*INVOCATION_PATHS, "/v1/functions"])
 def test_a_declared_oversized_body_is_413_before_it_is_read(edge: ServeProcess, path: str) -> None:
     with connect(edge.url) as sock:
@@ -84,7 +75,7 @@ def test_the_spec_cap_is_smaller_than_the_invocation_cap(edge: ServeProcess) -> 
 
 
 def test_a_chunked_50mb_body_is_stopped_at_the_cap_without_memory_growth(edge: ServeProcess) -> None:
-    before = memory_kib(edge)
+    before = memory_kib(edge.proc.pid)
     with connect(edge.url) as sock:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
         piece = b"%x\r\n%s\r\n" % (MB, b"[" * MB)  # one 1 MiB chunk
@@ -107,7 +98,7 @@ def test_a_chunked_50mb_body_is_stopped_at_the_cap_without_memory_growth(edge: S
         assert elapsed < 1.0, f"413 took {elapsed:.2f} s"
         assert closed_by_peer(sock)
         sender.join(10)
-    after = memory_kib(edge)
+    after = memory_kib(edge.proc.pid)
     # The cap (4 MiB) may be buffered; the other 46 MB must never be.
     assert after["VmHWM"] - before["VmHWM"] < 24 << 10, (before, after)
     assert after["VmRSS"] - before["VmRSS"] < 24 << 10, (before, after)
@@ -148,7 +139,7 @@ def test_slow_headers_are_408_after_the_header_timeout(edge: ServeProcess) -> No
 
 def test_oversized_headers_are_431_without_memory_growth(edge: ServeProcess) -> None:
     """httptools buffers headers whole: 64 MB of header lines once grew the gateway by 64 MB."""
-    before = memory_kib(edge)
+    before = memory_kib(edge.proc.pid)
     with connect(edge.url) as sock:
         line = b"x-big: " + b"a" * MB + b"\r\n"
 
@@ -165,7 +156,7 @@ def test_oversized_headers_are_431_without_memory_growth(edge: ServeProcess) -> 
         assert_error(read_response(sock), 431, "request_too_large")
         assert closed_by_peer(sock)
         sender.join(10)
-    after = memory_kib(edge)
+    after = memory_kib(edge.proc.pid)
     assert after["VmHWM"] - before["VmHWM"] < 24 << 10, (before, after)
     with connect(edge.url) as sock:  # many small headers within the cap still serve
         extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))

@@ -18,6 +18,7 @@ from runtime.openai_api import RequestError, parse_request, sampling_params
 from runtime.registry import RegisteredModel, register
 from runtime.worker_guard import TOKEN_HEADER
 from tests.conftest import PoolProcess
+from tests.proc_memory import memory_kib
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 pytestmark = pytest.mark.slow
@@ -118,16 +119,6 @@ def test_oversized_bodies_are_413_before_buffering(worker: Worker) -> None:
         chunked = http.post("/invoke", content=chunks(), headers={"content-type": "application/json"})
         assert chunked.status_code == 413
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
-
-
-def memory_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of process ``pid``, in KiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
 
 
 def test_50mb_bodies_leave_the_workers_memory_as_it_was(worker: Worker) -> None:

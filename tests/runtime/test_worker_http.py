@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from runtime.worker_guard import TOKEN_HEADER
+from tests.proc_memory import memory_kib
 from tests.rawhttp import assert_error, closed_by_peer, connect, read_response, request_bytes
 
 pytestmark = pytest.mark.slow
@@ -66,13 +67,6 @@ def worker() -> Iterator[tuple[str, int]]:
             pipe.close()
 
 
-def peak_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def test_slow_headers_are_408_after_the_header_timeout(worker: tuple[str, int]) -> None:
     url, _ = worker
     with connect(url) as sock:
@@ -97,7 +91,7 @@ def test_slow_headers_are_408_after_the_header_timeout(worker: tuple[str, int]) 
 
 def test_oversized_headers_are_431_without_memory_growth(worker: tuple[str, int]) -> None:
     url, pid = worker
-    before = peak_rss_kib(pid)
+    before = memory_kib(pid)["VmHWM"]
     with connect(url) as sock:
         line = b"x-big: " + b"a" * MB + b"\r\n"
 
@@ -114,7 +108,7 @@ def test_oversized_headers_are_431_without_memory_growth(worker: tuple[str, int]
         assert_error(read_response(sock), 431, "request_too_large")
         assert closed_by_peer(sock)
         sender.join(10)
-    assert peak_rss_kib(pid) - before < 24 << 10
+    assert memory_kib(pid)["VmHWM"] - before < 24 << 10
     with connect(url) as sock:  # many small headers within the cap still serve
         extra = b"".join(b"x-h%d: v\r\n" % i for i in range(500))
         sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -37,17 +38,19 @@ def test_a_full_namespace_refuses_new_functions_only(state: ClusterState) -> Non
     assert FunctionQuotaExceeded.code == "function_quota_exceeded"
 
 
-def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) -> None:
-    """16 gateways deploy 16 new functions into one namespace with room for 5 at once."""
+def deploy_concurrently(
+    url: str, deploy: Callable[[ClusterState, int, threading.Barrier], None]
+) -> list[bool]:
+    """16 gateways, each on its own connection, run ``deploy(state, i, barrier)`` at once (it
+    waits at the barrier between its early check and its store); which ones got their
+    function stored (False: refused by a quota)."""
     barrier = threading.Barrier(16)
     outcomes: list[bool] = []
 
     def gateway(i: int) -> None:
-        s = ClusterState.from_url(redis_server.url)  # each gateway its own connection
+        s = ClusterState.from_url(url)
         try:
-            s.check_room(f"team/f{i}", 5)  # every early check passes: the namespace is empty
-            barrier.wait()
-            s.put_function(f"team/f{i}", spec(f"team/f{i}"), max_in_namespace=5)
+            deploy(s, i, barrier)
             outcomes.append(True)
         except FunctionQuotaExceeded:
             outcomes.append(False)
@@ -59,7 +62,18 @@ def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) ->
         t.start()
     for t in threads:
         t.join(30)
-    assert sorted(outcomes) == [False] * 11 + [True] * 5
+    return sorted(outcomes)
+
+
+def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) -> None:
+    """16 gateways deploy 16 new functions into one namespace with room for 5 at once."""
+
+    def deploy(s: ClusterState, i: int, barrier: threading.Barrier) -> None:
+        s.check_room(f"team/f{i}", 5)  # every early check passes: the namespace is empty
+        barrier.wait()
+        s.put_function(f"team/f{i}", spec(f"team/f{i}"), max_in_namespace=5)
+
+    assert deploy_concurrently(redis_server.url, deploy) == [False] * 11 + [True] * 5
     check = ClusterState.from_url(redis_server.url)
     try:
         assert len(check.list_functions()) == 5
@@ -69,28 +83,14 @@ def test_concurrent_deploys_never_exceed_the_cap(redis_server: EmbeddedRedis) ->
 
 def test_concurrent_deploys_never_exceed_the_min_scale_sum(redis_server: EmbeddedRedis) -> None:
     """16 gateways deploy 16 functions of minScale 2 into one namespace whose sum may reach 10."""
-    barrier = threading.Barrier(16)
-    outcomes: list[bool] = []
 
-    def gateway(i: int) -> None:
-        s = ClusterState.from_url(redis_server.url)
+    def deploy(s: ClusterState, i: int, barrier: threading.Barrier) -> None:
         document = {**spec(f"team/f{i}"), "spec": {"scaling": {"minScale": 2, "maxScale": 2}}}
-        try:
-            s.check_room(f"team/f{i}", 100, document, 10)  # every early check passes
-            barrier.wait()
-            s.put_function(f"team/f{i}", document, max_in_namespace=100, max_min_scale=10)
-            outcomes.append(True)
-        except WarmQuotaExceeded:
-            outcomes.append(False)
-        finally:
-            s.close()
+        s.check_room(f"team/f{i}", 100, document, 10)  # every early check passes
+        barrier.wait()
+        s.put_function(f"team/f{i}", document, max_in_namespace=100, max_min_scale=10)  # 100: never the cap
 
-    threads = [threading.Thread(target=gateway, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(outcomes) == [False] * 11 + [True] * 5
+    assert deploy_concurrently(redis_server.url, deploy) == [False] * 11 + [True] * 5
     assert issubclass(WarmQuotaExceeded, FunctionQuotaExceeded)  # a 409, like the function cap
 
 
