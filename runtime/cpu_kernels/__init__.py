@@ -7,8 +7,9 @@ extension (C, CPython API only, OpenMP through the libgomp torch already loaded)
 ``linear`` over bf16, fp32, q8_0 and q4_1 weights for 1..64 rows per weight tile (fused
 q/k/v and gate/up with the SwiGLU epilogue, optional residual accumulate), ``rms_norm``,
 ``rope``, ``kv_write`` into the paged cache and ``paged_decode_attention`` reading K/V in place
-through block tables with an online softmax; AVX-512 paths are chosen at import, a portable
-path runs everywhere. :mod:`runtime.cpu_kernels.ops` loads it (``EMBER_CPU_KERNELS``:
-``auto``, ``avx512``, ``generic`` or ``off``) and wraps every kernel over tensors;
+through block tables with an online softmax; an AVX-512 path (with bf16 dot products) or else
+an AVX2/FMA path is chosen at import, a portable path runs everywhere else.
+:mod:`runtime.cpu_kernels.ops` loads it (``EMBER_CPU_KERNELS``: ``auto``, ``avx512``, ``avx2``,
+``generic`` or ``off``) and wraps every kernel over tensors;
 :mod:`runtime.models.llama_decode` drives a whole Llama step through it.
 """

@@ -18,7 +18,7 @@ import torch
 from runtime.errors import EmberRuntimeError
 
 ENV = "EMBER_CPU_KERNELS"
-CHOICES = ("auto", "avx512", "generic", "off")
+CHOICES = ("auto", "avx512", "avx2", "generic", "off")
 
 # The extension's dtype codes (ck.h, enum ck_dtype).
 F32, BF16, Q8_0, Q4_1, F16 = 0, 1, 2, 3, 4
@@ -37,7 +37,7 @@ def load(choice: str | None = None) -> ModuleType | None:
     """The extension on the path ``choice`` (default: ``$EMBER_CPU_KERNELS``, else ``auto``).
 
     ``None`` when the choice is ``off`` or the extension is not built (the torch path runs
-    then); a bad choice, or ``avx512`` on a CPU without it, fails loudly."""
+    then); a bad choice, or ``avx512``/``avx2`` on a CPU without it, fails loudly."""
     choice = choice if choice is not None else os.environ.get(ENV, "auto")
     if choice not in CHOICES:
         raise CpuKernelError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
@@ -55,6 +55,25 @@ def load(choice: str | None = None) -> ModuleType | None:
     except ValueError as exc:
         raise CpuKernelError(str(exc)) from None
     return _cpu_kernels
+
+
+def available_isas() -> tuple[str, ...]:
+    """The kernel paths this CPU runs, portable first (empty when the extension is not built);
+    the extension keeps the path it had."""
+    try:
+        from runtime import _cpu_kernels
+    except ImportError:
+        return ()
+    current = _cpu_kernels.isa()
+    found = []
+    for isa in ("generic", "avx2", "avx512"):
+        try:
+            _cpu_kernels.set_isa(isa)
+        except ValueError:  # this CPU lacks it
+            continue
+        found.append(isa)
+    _cpu_kernels.set_isa(current)
+    return tuple(found)
 
 
 def float_code(dtype: torch.dtype) -> int:

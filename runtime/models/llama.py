@@ -198,7 +198,7 @@ class LlamaModel:
             use_cuda_kernels = importlib.util.find_spec("cupy") is not None
         self.cuda_kernels = self.embed.is_cuda and use_cuda_kernels
         # On CPU, decode steps run through runtime._cpu_kernels (llama_decode) when it is built;
-        # cpu_kernels (default $EMBER_CPU_KERNELS): auto, avx512, generic or off.
+        # cpu_kernels (default $EMBER_CPU_KERNELS): auto, avx512, avx2, generic or off.
         from runtime.models.llama_decode import KernelPath
 
         self.cpu_kernels = KernelPath.create(self, cpu_kernels)

@@ -21,14 +21,14 @@ from tests.runtime.test_llama import BLOCK, hf_model, make_batch
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 _EXT = ops.load("auto")
-HAS_AVX512 = _EXT is not None and _EXT.isa() == "avx512"
+AVAILABLE = ops.available_isas()
 pytestmark = pytest.mark.skipif(_EXT is None, reason="runtime._cpu_kernels is not built")
 
 
-@pytest.fixture(params=["generic", "avx512"])
+@pytest.fixture(params=["generic", "avx2", "avx512"])
 def isa(request: pytest.FixtureRequest) -> str:
-    if request.param == "avx512" and not HAS_AVX512:
-        pytest.skip("this CPU lacks AVX-512")
+    if request.param not in AVAILABLE:
+        pytest.skip(f"this CPU lacks the {request.param} path")
     return str(request.param)
 
 

@@ -6,7 +6,7 @@
  * activations stay fp32, so results equal the portable path up to summation order. */
 #include "ck.h"
 
-#ifdef CK_HAVE_AVX512_PATH /* x86-64 with GCC or Clang; elsewhere only the portable path exists */
+#ifdef CK_HAVE_X86_PATHS /* x86-64 with GCC or Clang; elsewhere only the portable path exists */
 #include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))

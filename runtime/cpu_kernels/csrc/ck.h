@@ -67,8 +67,10 @@ typedef struct {
 
 extern const ck_isa ck_generic_isa;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CK_HAVE_X86_PATHS 1 /* compiled per function (__attribute__((target))), chosen at import */
 #define CK_HAVE_AVX512_PATH 1
 extern const ck_isa ck_avx512_isa;
+extern const ck_isa ck_avx2_isa;
 #endif
 
 /* ---- scalar conversions ------------------------------------------------------------------ */

@@ -1,5 +1,6 @@
-/* The portable path: plain C that any compiler vectorises for its baseline ISA. It is the
- * reference the AVX-512 path is tested against, and what runs on CPUs without AVX-512. */
+/* The portable path: plain C, the reference the AVX-512 and AVX2 paths are tested against, and
+ * what runs on CPUs without either (or on request). Its float sums keep their order (no
+ * -ffast-math), so the compiler does not vectorise them: it is several times slower. */
 #include "ck.h"
 
 static void tile_f32(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k, float *res) {

@@ -3,8 +3,9 @@
  *   module.c   this file: argument parsing (METH_FASTCALL, integers are addresses and sizes),
  *              ISA choice, GIL release around compute
  *   ops.c      drivers: the OpenMP split and the epilogues (rounding to the model dtype)
- *   generic.c  the portable tiles and attention (the reference, and CPUs without AVX-512)
+ *   generic.c  the portable tiles and attention (the reference, and CPUs without AVX2)
  *   avx512.c   the same with AVX-512 intrinsics under __attribute__((target))
+ *   avx2.c     the same with AVX2/FMA intrinsics, for x86-64 CPUs without the AVX-512 path
  *   ck.h       shared types and layout conventions
  *
  * Addresses come from torch's tensor.data_ptr(); the Python wrapper
@@ -295,7 +296,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *const *args, Py_ssi
 }
 
 static int cpu_has_avx512(void) {
-#ifdef CK_HAVE_AVX512_PATH
+#ifdef CK_HAVE_X86_PATHS
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -306,14 +307,24 @@ static int cpu_has_avx512(void) {
 #endif
 }
 
+static int cpu_has_avx2(void) {
+#ifdef CK_HAVE_X86_PATHS
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
 static const ck_isa *best_isa(void) {
-#ifdef CK_HAVE_AVX512_PATH
+#ifdef CK_HAVE_X86_PATHS
     if (cpu_has_avx512()) return &ck_avx512_isa;
+    if (cpu_has_avx2()) return &ck_avx2_isa;
 #endif
     return &ck_generic_isa;
 }
 
-PyDoc_STRVAR(isa_doc, "isa()\n--\n\nThe path the kernels take: 'avx512' or 'generic'.");
+PyDoc_STRVAR(isa_doc, "isa()\n--\n\nThe path the kernels take: 'avx512', 'avx2' or 'generic'.");
 
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)unused;
@@ -321,22 +332,29 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 }
 
 PyDoc_STRVAR(set_isa_doc,
-"set_isa(name)\n--\n\nForce 'generic' or 'avx512' (ValueError when this CPU lacks it); 'auto': the best.");
+"set_isa(name)\n--\n\nForce 'generic', 'avx2' or 'avx512' (ValueError when this CPU lacks it); 'auto': the best.");
 
 static PyObject *py_set_isa(PyObject *self, PyObject *name) {
     const char *s = PyUnicode_AsUTF8(name);
     if (!s) return NULL;
     if (!strcmp(s, "generic")) {
         state_of(self)->isa = &ck_generic_isa;
-    } else if (!strcmp(s, "avx512") || !strcmp(s, "auto")) {
-        int has = cpu_has_avx512();
-        if (!has && s[0] == 'a' && s[1] == 'v') {
-            bad("this CPU lacks AVX-512 F/BW/VL/DQ/BF16");
-            return NULL;
-        }
+    } else if (!strcmp(s, "auto")) {
         state_of(self)->isa = best_isa();
+#ifdef CK_HAVE_X86_PATHS
+    } else if (!strcmp(s, "avx512") && cpu_has_avx512()) {
+        state_of(self)->isa = &ck_avx512_isa;
+    } else if (!strcmp(s, "avx2") && cpu_has_avx2()) {
+        state_of(self)->isa = &ck_avx2_isa;
+#endif
+    } else if (!strcmp(s, "avx512")) {
+        bad("this CPU lacks AVX-512 F/BW/VL/DQ/BF16");
+        return NULL;
+    } else if (!strcmp(s, "avx2")) {
+        bad("this CPU lacks AVX2 with FMA and F16C");
+        return NULL;
     } else {
-        bad("isa must be 'generic', 'avx512' or 'auto'");
+        bad("isa must be 'generic', 'avx2', 'avx512' or 'auto'");
         return NULL;
     }
     Py_RETURN_NONE;

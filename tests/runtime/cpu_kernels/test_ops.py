@@ -14,15 +14,15 @@ from runtime.cpu_kernels import ops
 from runtime.cpu_kernels.ops import CpuKernelError, KVLayout, Weight
 
 _EXT = ops.load("auto")
-HAS_AVX512 = _EXT is not None and _EXT.isa() == "avx512"
+AVAILABLE = ops.available_isas()
 pytestmark = pytest.mark.skipif(_EXT is None, reason="runtime._cpu_kernels is not built")
-ISAS = ["generic", "avx512"]
+ISAS = ["generic", "avx2", "avx512"]
 
 
 @pytest.fixture(params=ISAS)
 def ext(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    if request.param == "avx512" and not HAS_AVX512:
-        pytest.skip("this CPU lacks AVX-512")
+    if request.param not in AVAILABLE:
+        pytest.skip(f"this CPU lacks the {request.param} path")
     mod = ops.load(request.param)
     assert mod is not None and mod.isa() == request.param
     try:
@@ -170,12 +170,14 @@ def test_rope_matches_rotate_half(ext: ModuleType, dtype: torch.dtype) -> None:
         ops.rope(ext, got, torch.tensor([0, 1, 2, 300]), cos, sin)
 
 
-def paged_cache(dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0) -> torch.Tensor:
-    """(NB, L=2, 2, BS=4, H_kv=2, D=64) with ``pad`` elements between blocks (a pool view)."""
-    inner = 2 * 2 * 4 * 2 * 64
+def paged_cache(
+    dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0, bs: int = 4
+) -> torch.Tensor:
+    """(NB, L=2, 2, BS=bs, H_kv=2, D=64) with ``pad`` elements between blocks (a pool view)."""
+    inner = 2 * 2 * bs * 2 * 64
     flat = torch.randn(num_blocks * (inner + pad), generator=g).to(dtype)
     return flat.as_strided(
-        (num_blocks, 2, 2, 4, 2, 64), (inner + pad, 2 * 4 * 2 * 64, 4 * 2 * 64, 128, 64, 1)
+        (num_blocks, 2, 2, bs, 2, 64), (inner + pad, 2 * bs * 2 * 64, bs * 2 * 64, 128, 64, 1)
     )
 
 
@@ -226,6 +228,24 @@ def test_paged_attention_reads_blocks_in_place(
         torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_scale", [1.0, 40.0])
+def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_scale: float) -> None:
+    # SmolLM2's block size: the vector paths turn a block's scores into weights 8 or 16 at a
+    # time, with a tail (blocks of 4 above never fill a vector).
+    g = torch.Generator().manual_seed(9)
+    kv = paged_cache(dtype, g, num_blocks=8, pad=8, bs=16)
+    tables = torch.tensor([[5, 2, 7, 0], [1, 6, 3, 0]])
+    ctx = torch.tensor([41, 16, 9, 48])  # tails of 9 and 1, a whole block, one block of 9, three whole
+    rows = torch.tensor([0, 1, 1, 0])
+    q = torch.randn(4, 6, 64, generator=g) * q_scale
+    got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
+    for i in range(4):
+        nb = -(-int(ctx[i]) // 16)
+        ref = reference_attention(q[i], kv, 1, tables[rows[i], :nb].tolist(), int(ctx[i]))
+        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows(ext: ModuleType, kind: str) -> None:
     g = torch.Generator().manual_seed(8)
@@ -245,6 +265,17 @@ def test_bad_inputs_fail_loudly() -> None:
     with pytest.raises(CpuKernelError, match="in_features % 32"):
         Weight(torch.zeros(4, 40, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.float16))
     assert ops.load("off") is None
+
+
+def test_auto_takes_the_best_path_this_cpu_runs() -> None:
+    assert AVAILABLE[0] == "generic"
+    mod = ops.load("auto")
+    assert mod is not None and mod.isa() == AVAILABLE[-1]
+    for isa in ("avx2", "avx512"):
+        if isa not in AVAILABLE:
+            with pytest.raises(CpuKernelError, match="lacks"):
+                ops.load(isa)
+    assert mod.isa() == AVAILABLE[-1]  # a refused choice leaves the path as it was
 
 
 def test_one_openmp_runtime_is_mapped() -> None:
