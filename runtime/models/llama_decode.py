@@ -36,6 +36,10 @@ ROPE_CHUNK = 4096  # positions per growth of the cos/sin table
 # bf16 (one thread), the kernels took 28/36/68 ms for 2/4/8 tokens against torch's 46/73/79,
 # and lost from 16 tokens on (133 vs 93 ms: oneDNN's bf16 GEMM beats fp32 FMAs once compute-bound).
 PREFILL_TOKENS = 8
+# On the AVX2 path a bf16 model's prefills all run through the kernels: that CPU has no bf16
+# instructions for oneDNN's GEMM, and on a Zen 3 VM (SmolLM2 bf16, 2 threads, new prompts) the
+# kernels took 36/134/530/2,507 ms for 8/32/128/512 tokens against torch's 109/408/1,672/6,837.
+AVX2_BF16_PREFILL_TOKENS = 1 << 62
 
 
 class KernelWeights:
@@ -167,11 +171,16 @@ class KernelPath:
 
     Decode steps (every sequence has one new token) always do; so does every step of a model
     with quantized weights (the torch path cannot read them); prefills of float models keep
-    torch (oneDNN) above ``prefill_tokens`` new tokens."""
+    torch (oneDNN) above ``prefill_tokens`` new tokens (default: :data:`PREFILL_TOKENS`, or
+    every prefill of a bf16 model on the AVX2 path, :data:`AVX2_BF16_PREFILL_TOKENS`)."""
 
-    def __init__(self, ext: ModuleType, model: LlamaModel, prefill_tokens: int = PREFILL_TOKENS) -> None:
-        self.ext, self.model, self.prefill_tokens = ext, model, prefill_tokens
+    def __init__(self, ext: ModuleType, model: LlamaModel, prefill_tokens: int | None = None) -> None:
+        self.ext, self.model = ext, model
         self.isa = ext.isa()  # the extension's choice is process-wide: each step re-applies ours
+        if prefill_tokens is None:
+            avx2_bf16 = self.isa == "avx2" and model.dtype == torch.bfloat16
+            prefill_tokens = AVX2_BF16_PREFILL_TOKENS if avx2_bf16 else PREFILL_TOKENS
+        self.prefill_tokens = prefill_tokens
         self.quantized = any(t.dtype in (torch.int8, torch.uint8) for t in model.weights.values())
         self._weights: KernelWeights | None = None
         # Per KV tensor, held weakly: an engine's arena view must not outlive the engine here.
