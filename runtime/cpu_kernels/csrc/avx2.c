@@ -182,11 +182,12 @@ INLINE AVX2 __m256 ld_kv(const char *kv, int bf16, i64 off) {
 
 /* e^x of 8 floats, x <= 0 (a score minus the running maximum): Cephes' expf as in avx512.c,
  * 2^n built in the exponent bits. Below -87.3 (2^n would leave the normal range) a weight is 0:
- * next to the maximum's weight of 1 such a term is below fp32's resolution anyway. */
+ * next to the maximum's weight of 1 such a term is below fp32's resolution anyway. A NaN stays
+ * NaN, as expf's does (max_ps returns its second operand when either is NaN). */
 INLINE AVX2 __m256 exp8(__m256 x) {
     __m256 lo = _mm256_set1_ps(-87.3365447505531f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

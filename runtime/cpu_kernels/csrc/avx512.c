@@ -234,7 +234,8 @@ INLINE AVX512 __m512 ld_kv(const char *kv, int bf16, i64 off) {
  * polynomial for e^r, 2^n by scalef), within 2 ulp of libm's expf. A libm call per context
  * token made an attention call (9 heads, ctx 40-200) 15-18 % slower. */
 INLINE AVX512 __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.972694f));
+    /* min/max return their second operand when either is NaN: a NaN stays NaN, as expf's does */
+    x = _mm512_max_ps(_mm512_set1_ps(-103.972694f), _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

@@ -246,6 +246,23 @@ def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_
         torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token", [3, 20])  # among a block's first 16 scores, in a block's tail
+def test_a_nan_in_the_context_is_not_hidden(ext: ModuleType, dtype: torch.dtype, token: int) -> None:
+    # A vector exp that clamps its input before the polynomial turned a NaN score into a weight
+    # of ~0 (AVX2) or ~e^88 (AVX-512): the head's output came out finite, where torch and the
+    # portable path give NaN.
+    g = torch.Generator().manual_seed(10)
+    kv = paged_cache(dtype, g, num_blocks=4, bs=16)
+    tables = torch.tensor([[1, 2]])
+    kv[tables[0, token // 16], 1, 0, token % 16, 0, 5] = float("nan")  # K of KV head 0
+    q = torch.randn(1, 2, 64, generator=g)  # head 0 reads KV head 0, head 1 KV head 1
+    got = ops.paged_decode_attention(ext, q, kv, 1, tables, torch.tensor([21]), torch.tensor([0]), threads=1)
+    heads = got.reshape(2, 64)
+    assert heads[0].isnan().all()
+    assert heads[1].isfinite().all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows(ext: ModuleType, kind: str) -> None:
     g = torch.Generator().manual_seed(8)
