@@ -152,33 +152,14 @@ INLINE AVX512 void row_q4_1(const ck_weight *w, i64 row, const ck_act *a, i64 m0
     }
 }
 
-/* A constant MC for every call, so the compiler keeps the accumulators in registers. */
-#define DISPATCH(CALL)              \
-    switch (MC) {                   \
-    case 1: CALL(1); break;         \
-    case 2: CALL(2); break;         \
-    case 3: CALL(3); break;         \
-    default: CALL(4); break;        \
-    }
-
-#define TILE(NAME, ROW)                                                                                 \
-    static AVX512 void NAME(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k, \
-                            float *res) {                                                               \
-        float t[4];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                   \
-            DISPATCH(ROW)                                                                               \
-            for (int m = 0; m < MC; m++) res[r * 4 + m] = t[m];                                         \
-        }                                                                                               \
-    }
-
 #define ROW_F32(mc) row_float((const void *)w->data, 0, r0 + r, a, m0, mc, k, t)
 #define ROW_BF16(mc)                                                               \
     (a->xbf ? row_bf16dp((const uint16_t *)w->data, r0 + r, a, m0, mc, k, t)      \
             : row_float((const void *)w->data, 1, r0 + r, a, m0, mc, k, t))
 #define ROW_Q8_0(mc) row_q8_0(w, r0 + r, a, m0, mc, k, t)
 #define ROW_Q4_1(mc) row_q4_1(w, r0 + r, a, m0, mc, k, t)
-TILE(tile_f32, ROW_F32)
-TILE(tile_bf16_rows, ROW_BF16)
+CK_TILE(AVX512, tile_f32, ROW_F32)
+CK_TILE(AVX512, tile_bf16_rows, ROW_BF16)
 
 /* A decode step's bf16 tile (one row of bf16-exact x, MC = 1): each row's dot product inline,
  * rows one after another, with row_bf16dp's accumulators and order (equal results). Through
@@ -221,8 +202,8 @@ static AVX512 void tile_bf16(const ck_weight *w, i64 r0, int R, const ck_act *a,
     for (int r = 0; r < R; r++) res[r * 4] = dot1_bf16(wr + r * k, xb, k);
 }
 
-TILE(tile_q8_0, ROW_Q8_0)
-TILE(tile_q4_1, ROW_Q4_1)
+CK_TILE(AVX512, tile_q8_0, ROW_Q8_0)
+CK_TILE(AVX512, tile_q4_1, ROW_Q4_1)
 
 /* ---- attention: one query head, K/V read in place from the blocks -------------------------- */
 

@@ -73,6 +73,28 @@ extern const ck_isa ck_avx512_isa;
 extern const ck_isa ck_avx2_isa;
 #endif
 
+/* ---- the tile shape of the vector paths ---------------------------------------------------- */
+
+/* A tile calls ROW(mc) once per weight row with a constant mc (1..4 rows of x), so the compiler
+ * keeps that row's accumulators in registers; ROW writes float t[mc]. ATTR: the path's target. */
+#define CK_DISPATCH(CALL)   \
+    switch (MC) {           \
+    case 1: CALL(1); break; \
+    case 2: CALL(2); break; \
+    case 3: CALL(3); break; \
+    default: CALL(4); break; \
+    }
+
+#define CK_TILE(ATTR, NAME, ROW)                                                                      \
+    static ATTR void NAME(const ck_weight *w, i64 r0, int R, const ck_act *a, i64 m0, int MC, i64 k, \
+                          float *res) {                                                               \
+        float t[4];                                                                                   \
+        for (int r = 0; r < R; r++) {                                                                 \
+            CK_DISPATCH(ROW)                                                                          \
+            for (int m = 0; m < MC; m++) res[r * 4 + m] = t[m];                                       \
+        }                                                                                             \
+    }
+
 /* ---- scalar conversions ------------------------------------------------------------------ */
 
 static inline float ck_bf16_to_f32(uint16_t h) {

@@ -208,6 +208,23 @@ def reference_attention(
     return o.reshape(-1).float()
 
 
+def check_attention(
+    ext: ModuleType,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """Layer 1's paged attention of every query row against :func:`reference_attention`."""
+    got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
+    bs = kv.shape[3]
+    for i in range(q.shape[0]):
+        nb = -(-int(ctx[i]) // bs)
+        ref = reference_attention(q[i], kv, 1, tables[rows[i], :nb].tolist(), int(ctx[i]))
+        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: scores hundreds apart, most weights underflow
@@ -221,11 +238,7 @@ def test_paged_attention_reads_blocks_in_place(
     ctx = torch.tensor([17, 9, 1, 10])  # end mid-block; the last row reuses sequence 1
     rows = torch.tensor([0, 1, 2, 1])
     q = torch.randn(4, heads, 64, generator=g) * q_scale
-    got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
-    for i in range(4):
-        nb = -(-int(ctx[i]) // 4)
-        ref = reference_attention(q[i], kv, 1, tables[rows[i], :nb].tolist(), int(ctx[i]))
-        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
+    check_attention(ext, q, kv, tables, ctx, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -239,11 +252,7 @@ def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_
     ctx = torch.tensor([41, 16, 9, 48])  # tails of 9 and 1, a whole block, one block of 9, three whole
     rows = torch.tensor([0, 1, 1, 0])
     q = torch.randn(4, 6, 64, generator=g) * q_scale
-    got = ops.paged_decode_attention(ext, q, kv, 1, tables, ctx, rows, threads=2)
-    for i in range(4):
-        nb = -(-int(ctx[i]) // 16)
-        ref = reference_attention(q[i], kv, 1, tables[rows[i], :nb].tolist(), int(ctx[i]))
-        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-5)
+    check_attention(ext, q, kv, tables, ctx, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
