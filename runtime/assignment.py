@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from runtime.engine.kv_storage import PoolBlockSource
 from runtime.errors import EmberRuntimeError
 from runtime.instance import ModelBinding, ModelTemplate, bind, bind_at, load_adapters
 from runtime.intra_op import set_engine_threads
@@ -234,6 +235,20 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
     return standby, StandbyReply(timings)
 
 
+def _acquire(binding: ModelBinding, client: Any, prefetch_kv: bool) -> tuple[dict[str, int], Any]:
+    """Pin the standby's model; with ``prefetch_kv``, the engine's first KV blocks (what
+    :meth:`Engine.scale_kv` would fetch after the activation, another round trip before the
+    first request's prefill) come in the same round trip. Returns the placements and the
+    blocks (a ``KVBlocks``, or None: none asked for, or the pool had no room for them)."""
+    manifest, source = binding.template.manifest, binding.engine.blocks.source
+    num_blocks = binding.engine.kv_prefetch() if prefetch_kv else 0
+    if num_blocks == 0 or not isinstance(source, PoolBlockSource):
+        return client.acquire_placements(manifest), None
+    placements: dict[str, int]
+    placements, kv = client.acquire_with_kv(manifest, num_blocks, source.block_bytes)
+    return placements, kv
+
+
 async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment, AssignReply]:
     """Turn ``standby`` into instance ``message.instance_id`` (:class:`StandbyMismatch` when
     ``message`` assigns something else). A failed acquire or initializer closes the standby."""
@@ -247,7 +262,7 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
         # On the loop: the pool's round trip costs less than a thread hop, and the requests
         # sent ahead of the activation (runtime.early_requests) wait for it anyway (measured:
         # in a thread, the acquire took 0.3-0.5 ms longer and nothing ended sooner).
-        placements = client.acquire_placements(binding.template.manifest)
+        placements, kv = _acquire(binding, client, prefetch_kv=standby.handler is None)
         timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
         if placements != standby.placements:  # evicted or moved meanwhile: views on the new places
             binding.engine.close()
@@ -255,6 +270,10 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
             binding = bind_at(template, client, placements, max_tokens, message.kv_quota_bytes, timings)
         else:
             binding.acquire_report = client.last_acquire
+        if kv is not None:
+            source = binding.engine.blocks.source
+            assert isinstance(source, PoolBlockSource)
+            binding.engine.adopt_kv(source.adopt(kv))
         # LoRA adapters are dynamic (session-private): the standby held none, the instance
         # acquires its own now, beside the shared base.
         binding.attach_adapters(client, load_adapters(tuple(message.adapters.items())))

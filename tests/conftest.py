@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,3 +92,18 @@ def wait_until(predicate: object, timeout: float, interval: float = 0.01) -> flo
             return time.monotonic() - start
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+class CountingSocket:
+    """The client's real socket, counting the writes (one per round trip of requests)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.writes = 0
+
+    def sendall(self, data: bytes) -> None:
+        self.writes += 1
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)

@@ -330,12 +330,8 @@ class Engine:
         length), it fetches up to that plus the watermark at once; above it by more than the
         watermark twice, it returns the surplus to the pool for its neighbours. Blocks of
         the prefix cache are kept either way."""
-        seqs = [*self.scheduler.waiting, *self.scheduler.running]
-        tokens = self.watermark.require(((len(s.prompt_ids), len(s.output_ids)) for s in seqs), self.avg_out)
         blocks = self.blocks
-        require = -(-tokens // blocks.block_size) - len(blocks.evictable)  # cached blocks are reusable
-        current = blocks.num_held + len(blocks.free)
-        target = self.watermark.target(current, max(require, blocks.num_held))
+        current, target = self._kv_scaling()
         if target is None:
             return
         try:
@@ -345,6 +341,26 @@ class Engine:
                 blocks.trim_free(max(0, target - blocks.num_held))
         except Exception:  # the pool's trouble: costs only the scaling (a step finds out)
             log.exception("scaling the KV blocks failed")
+
+    def kv_prefetch(self) -> int:
+        """The blocks :meth:`scale_kv` would fetch now (0: none): a new instance asks the pool
+        for them with its weights, in one round trip (:meth:`adopt_kv`)."""
+        current, target = self._kv_scaling()
+        return 0 if target is None else max(0, target - current)
+
+    def adopt_kv(self, block_ids: list[int]) -> None:
+        """Hold ``block_ids`` (the source's numbers of blocks fetched for this engine, see
+        :meth:`kv_prefetch`) as unused blocks, as :meth:`scale_kv` would have."""
+        self.blocks.free.extend(block_ids)
+
+    def _kv_scaling(self) -> tuple[int, int | None]:
+        """The blocks held now and the watermark's target (None: stay), for :meth:`scale_kv`."""
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        tokens = self.watermark.require(((len(s.prompt_ids), len(s.output_ids)) for s in seqs), self.avg_out)
+        blocks = self.blocks
+        require = -(-tokens // blocks.block_size) - len(blocks.evictable)  # cached blocks are reusable
+        current = blocks.num_held + len(blocks.free)
+        return current, self.watermark.target(current, max(require, blocks.num_held))
 
     def _publish(self) -> None:
         """Offer newly computed prompt blocks to the pool; a failure costs only the sharing."""

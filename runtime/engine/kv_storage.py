@@ -85,7 +85,13 @@ class PoolBlockSource(BaseBlockSource):
             if exc.kind in (OutOfMemory, KVQuotaExceeded):
                 return None
             raise
-        assert blocks.block_bytes == self.block_bytes
+        return self.adopt(blocks)
+
+    def adopt(self, blocks: Any) -> list[int]:
+        """The physical block numbers of ``blocks`` (a ``gpu_pool.client.KVBlocks`` of this
+        source's size, allocated aligned on its session), now held by this source."""
+        if blocks.block_bytes != self.block_bytes:
+            raise ValueError(f"blocks of {blocks.block_bytes} bytes for a source of {self.block_bytes}")
         numbers = [offset // self.block_bytes for offset in blocks.offsets]
         self._pool_ids.update(zip(numbers, blocks.block_ids, strict=True))
         return numbers

@@ -21,7 +21,7 @@ from gpu_pool.acquire_report import REPORT_VERSION, AcquireReport
 from gpu_pool.client import PoolClient, RemotePoolError
 from gpu_pool.errors import OutOfMemory, SessionError
 from gpu_pool.manifest import Manifest
-from tests.conftest import PoolProcess, random_tensors, wait_until, write_entry
+from tests.conftest import CountingSocket, PoolProcess, random_tensors, wait_until, write_entry
 
 pytestmark = pytest.mark.slow
 
@@ -270,3 +270,50 @@ def test_client_refuses_an_arena_of_the_wrong_size(pool_process: PoolProcess) ->
         c.arena_handle = {**c.arena_handle, "size": c.arena_handle["size"] + 4096}
         with pytest.raises(ProtocolError, match="expected"):
             c.arena()
+
+
+def test_acquire_with_kv_pins_and_allocates_in_one_round_trip(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    """A new instance's weights and first KV blocks in one exchange (runtime.assignment)."""
+    with PoolClient(pool_process.socket_path) as c:
+        counted = CountingSocket(c._sock)
+        c._sock = counted  # type: ignore[assignment]
+        placements, kv = c.acquire_with_kv(manifest, 3, 4096)
+        assert counted.writes == 1
+        assert set(placements) == {e.name for e in manifest.tensors}
+        assert c.last_acquire is not None and c.last_acquire.bytes_loaded == manifest.nbytes
+        assert kv is not None and len(kv.block_ids) == 3 and kv.block_bytes >= 4096
+        assert all(offset % kv.block_bytes == 0 for offset in kv.offsets)  # aligned: numbered
+        block = c.kv_view(kv.offsets[1], "uint8", (kv.block_bytes,))  # its KV memory came with it
+        block.fill_(9)
+        assert int(block.sum()) == 9 * kv.block_bytes
+        views = c.views(manifest, placements)
+        assert torch.equal(views["t1"], c.acquire(manifest)["t1"])
+        stats = c.stats()
+        assert stats["kv_bytes"] == 3 * kv.block_bytes and stats["pinned_bytes"] >= manifest.nbytes
+
+
+def test_acquire_with_kv_without_room_for_the_blocks_still_acquires(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    with PoolClient(pool_process.socket_path) as c:
+        placements, kv = c.acquire_with_kv(manifest, 1 << 20, 4096)  # 4 GiB of blocks: no room
+        assert kv is None and set(placements) == {e.name for e in manifest.tensors}
+        assert c.stats()["kv_bytes"] == 0
+
+
+def test_a_failed_acquire_with_kv_leaves_no_reply_unread(
+    pool_process: PoolProcess, manifest: Manifest, tmp_path: Path
+) -> None:
+    """The acquire fails after both requests were sent: the kv_alloc's reply is read too, so the
+    session's next call gets its own reply (and the blocks stay with the session)."""
+    untrusted = write_entry(tmp_path / "elsewhere", "x", random_tensors(2, [64]))
+    with PoolClient(pool_process.socket_path) as c:
+        with pytest.raises(RemotePoolError) as failed:
+            c.acquire_with_kv(untrusted, 2, 4096)
+        assert failed.value.code == "untrusted_manifest"
+        assert c.stats()["kv_bytes"] > 0  # in step: this is the stats reply
+        assert set(c.acquire_placements(manifest)) == {e.name for e in manifest.tensors}
+    with PoolClient(pool_process.socket_path) as observer:
+        assert observer.stats()["kv_bytes"] == 0  # closing the session freed them

@@ -19,12 +19,15 @@ from typing import Any
 import httpx
 import pytest
 
+from gpu_pool.client import PoolClient
 from runtime.agent import LaunchError, NodeAgent
-from runtime.assignment import StandbyMismatch
+from runtime.assignment import Standby, StandbyMismatch, activate
+from runtime.instance import bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.worker_guard import TOKEN_HEADER
+from tests.conftest import CountingSocket, PoolProcess
 from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import hf_weights, register_tiny, write_tiny_gguf
 
 PROMPT = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
 
@@ -212,6 +215,49 @@ def test_a_started_instance_fetches_its_first_kv_blocks_before_its_first_request
             assert await complete(second.url, second.token) == expected
 
     asyncio.run(scenario())
+
+
+def test_an_activation_brings_its_first_kv_blocks_with_its_weights(tmp_path: Path) -> None:
+    """A standby's activation asks for its engine's first KV blocks in the same pool round trip
+    as its weights (PoolClient.acquire_with_kv): its engine holds them when the activation
+    returns, before the first request, which would otherwise wait behind another round trip.
+    In process, on a real pool daemon: no background fetch can race the check."""
+    tiny = register_tiny(tmp_path)
+    pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
+    document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+
+    async def scenario() -> None:
+        template = load_template(tiny.directory)
+        client = PoolClient(pool.socket_path)
+        placements = client.acquire_placements(template.manifest)  # resident now
+        binding = bind_at(template, client, placements, 64)
+        client.release()  # a standby pins nothing
+        prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
+        standby = Standby(prepared, binding, client, placements, None)
+        assert binding.engine.kv_prefetch() > 0 and not binding.engine.blocks.free
+        counted = CountingSocket(client._sock)
+        client._sock = counted
+        message = AssignMessage(
+            "1", document, str(tiny.directory), pool.socket_path, None, time.time() + 60, None, 1 << 20
+        )
+        assignment, reply = await activate(standby, message)
+        try:
+            assert counted.writes == 1  # weights and blocks: one round trip
+            engine = assignment.binding.engine
+            assert len(engine.blocks.free) > 0 and engine.kv_prefetch() == 0  # nothing left to fetch
+            block_bytes = engine.blocks.source.block_bytes
+            with PoolClient(pool.socket_path) as observer:
+                assert observer.stats()["kv_bytes"] == len(engine.blocks.free) * block_bytes
+            assert reply.acquire.bytes_loaded == 0
+        finally:
+            assignment.driver.cancel()
+            engine.close()
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.stop()
 
 
 ECHO = """async def handler(event, context):
