@@ -223,6 +223,7 @@ def _build(src: ModelSource, dtype: str, out: Path, model_id: str, progress: boo
                 shutil.copyfile(src.path / name, out / name)
         if not (out / "tokenizer.json").is_file():
             raise RegistrationError(f"{src.path} has no tokenizer.json")
+    weights.quantize_head()
     config["torch_dtype"] = str(weights.float_dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=1))
     profile = materialize_profile(config, weights.tensors, dtype)

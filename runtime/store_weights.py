@@ -4,8 +4,9 @@
 store entry will hold. For ``bfloat16`` / ``float32`` every tensor is cast. For ``int8`` / ``q4``
 the decoder's projection weights become the :mod:`runtime.quant` planes (``<name>``,
 ``<name>.scales``, ``<name>.mins``), from GGML blocks of the method's own type carried over as
-they are or else quantized from the float weights; every other tensor (embeddings / LM head,
-norms, biases, and a projection whose ``in`` is not a multiple of 32) is bfloat16.
+they are or else quantized from the float weights, and for ``int8`` the LM head becomes int8
+planes too (:meth:`StoreWeights.quantize_head`, a tied one as a copy); every other tensor
+(embeddings, norms, biases, and a projection whose ``in`` is not a multiple of 32) is bfloat16.
 :meth:`StoreWeights.metadata` is what the store's manifest records about it.
 """
 
@@ -61,6 +62,26 @@ class StoreWeights:
                 return
             self._kept[name] = why
         self.tensors[name] = value.to(self.float_dtype)
+
+    def quantize_head(self) -> None:
+        """``int8``: the LM head as int8 planes (``lm_head.weight``), as llama.cpp's Q8_0 files
+        hold their output tensor (``q4`` keeps a bfloat16 head). A decode step reads the whole head: SmolLM2's
+        (49152 x 576) is 57 MB in bfloat16 and 30 MB in int8, 4.6 against 1.8 ms per token on
+        two Zen 3 cores, a third of an int8 step. A tied head gets this copy beside the
+        bfloat16 embedding, whose gathers read one row per token; an untied one is replaced.
+        Call it once every tensor is in."""
+        head = "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
+        weight = self.tensors.get(head)
+        if self.method != "int8" or weight is None:
+            return
+        why = None if weight.dim() == 2 and weight.shape[1] % quant.GROUP == 0 else "not 2-D by 32s"
+        if why is not None:
+            self._kept["lm_head.weight"] = why
+            return
+        if head == "lm_head.weight":
+            del self.tensors[head]
+        self._put("lm_head.weight", quant.quantize(weight, "int8"))
+        self._quantized["lm_head.weight"] = "quantized int8 (the LM head)"
 
     def metadata(self) -> dict[str, Any]:
         """The store entry's metadata: ``{"quantization": ...}`` (``None`` for a float dtype)."""

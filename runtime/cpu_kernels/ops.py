@@ -22,7 +22,7 @@ CHOICES = ("auto", "avx512", "avx2", "generic", "off")
 
 # The extension's dtype codes (ck.h, enum ck_dtype).
 F32, BF16, Q8_0, Q4_1, F16 = 0, 1, 2, 3, 4
-ACCUMULATE, ROUND_BF16, X_BF16 = 1, 2, 4
+ACCUMULATE, ROUND_BF16, X_BF16, X_Q8 = 1, 2, 4, 8
 _FLOAT_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 _GROUP = 32
 
@@ -190,12 +190,15 @@ def linear(
     round_bf16: bool = False,
     swiglu: bool = False,
     x_bf16: bool = False,
+    x_q8: bool = False,
     threads: int | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for each weight, side by side (swiglu: ``silu(gate) * up``).
 
     ``x_bf16``: every x value is a bfloat16 (as a bf16 model's activations are), so bf16
-    weights may use bf16 dot products (the AVX-512 path); other x would be rounded."""
+    weights may use bf16 dot products (the AVX-512 path); other x would be rounded.
+    ``x_q8``: q8_0 weights may meet x quantized to int8 per group of 32 (the AVX2 path's
+    integer dot products, as llama.cpp's Q8_0 does; see ck.h's CK_X_Q8)."""
     if not weights:
         raise CpuKernelError("linear needs at least one weight")
     k = weights[0].in_features
@@ -211,7 +214,8 @@ def linear(
     if out.shape[0] != x.shape[0]:
         raise CpuKernelError("out must have one row per row of x")
     desc = descriptors(weights)
-    flags = (ACCUMULATE if accumulate else 0) | (ROUND_BF16 if round_bf16 else 0) | (X_BF16 if x_bf16 else 0)
+    flags = (ACCUMULATE if accumulate else 0) | (ROUND_BF16 if round_bf16 else 0)
+    flags |= (X_BF16 if x_bf16 else 0) | (X_Q8 if x_q8 else 0)
     ext.linear(
         _threads(threads), desc.data_ptr(), len(weights), x.data_ptr(), x.stride(0), x.shape[0], k,
         out.data_ptr(), out.stride(0), flags, int(swiglu),

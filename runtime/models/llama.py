@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: N812 - the universal alias
 from runtime.models.layer_gate import LayerGate
 from runtime.models.lora import LoraAdapter, LoraBatch, plain
 from runtime.models.quant_weight import QuantWeight, bind_weight
+from runtime.quant import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +165,10 @@ class LlamaModel:
         self.weights = w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        # An int8 registration stores its LM head as int8 planes, a tied one as a copy
+        # (runtime.store_weights.StoreWeights.quantize_head): the head is then that copy.
+        head = "lm_head.weight" if "lm_head.weight" in w or not config.tie_word_embeddings else None
+        self.lm_head: Linear = self.embed if head is None else bind_weight(w, head)
         self.layers = []
 
         def lin(name: str) -> Linear:  # a quantized weight binds with its scales
@@ -293,7 +297,7 @@ class LlamaModel:
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of final hidden states (N, hidden): (N, vocab)."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)

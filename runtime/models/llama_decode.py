@@ -45,14 +45,17 @@ AVX2_BF16_PREFILL_TOKENS = 1 << 62
 class KernelWeights:
     """Descriptors of a model's weights (int64 tables the kernels read), built once per model."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, q8_codes: bool = True) -> None:
         cfg, w = model.config, model.weights
         self.round = int(model.dtype == torch.bfloat16)
         # A bf16 model's linear inputs are bf16 values: bf16 weights may use bf16 dot products.
         self.flags = ops.ROUND_BF16 | ops.X_BF16 if self.round else 0
+        if q8_codes:  # see KernelPath.q8_codes
+            self.flags |= ops.X_Q8
         self.norm_code = ops.float_code(model.dtype)
         self.embed = ops.descriptors([Weight.from_table(w, "model.embed_tokens.weight")])
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in w  # else its own (int8) copy
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.head = ops.descriptors([Weight.from_table(w, head)])
         self.norm = model.norm.data_ptr()
         self.layers: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
@@ -172,7 +175,14 @@ class KernelPath:
     Decode steps (every sequence has one new token) always do; so does every step of a model
     with quantized weights (the torch path cannot read them); prefills of float models keep
     torch (oneDNN) above ``prefill_tokens`` new tokens (default: :data:`PREFILL_TOKENS`, or
-    every prefill of a bf16 model on the AVX2 path, :data:`AVX2_BF16_PREFILL_TOKENS`)."""
+    every prefill of a bf16 model on the AVX2 path, :data:`AVX2_BF16_PREFILL_TOKENS`).
+
+    ``q8_codes`` (set before the first step): int8 (q8_0) weights meet the activations
+    quantized to int8 per group of 32 where the path has integer dot products (AVX2), as
+    llama.cpp's Q8_0 does: on a Zen 3 VM that decoded SmolLM2 int8 at 1.3x the rate of
+    widening every weight to fp32 (README), at a perplexity within the int8 target
+    (tests/runtime/test_quant_quality.py). False: fp32 activations, the dequantized model's
+    results up to summation order."""
 
     def __init__(self, ext: ModuleType, model: LlamaModel, prefill_tokens: int | None = None) -> None:
         self.ext, self.model = ext, model
@@ -182,6 +192,7 @@ class KernelPath:
             prefill_tokens = AVX2_BF16_PREFILL_TOKENS if avx2_bf16 else PREFILL_TOKENS
         self.prefill_tokens = prefill_tokens
         self.quantized = any(t.dtype in (torch.int8, torch.uint8) for t in model.weights.values())
+        self.q8_codes = True
         self._weights: KernelWeights | None = None
         # Per KV tensor, held weakly: an engine's arena view must not outlive the engine here.
         self._steps: dict[int, tuple[weakref.ref[torch.Tensor], KernelStep]] = {}
@@ -205,7 +216,7 @@ class KernelPath:
         if entry is None or entry[0]() is not kv_blocks:
             self._steps = {k: v for k, v in self._steps.items() if v[0]() is not None}
             if self._weights is None:
-                self._weights = KernelWeights(self.model)
+                self._weights = KernelWeights(self.model, self.q8_codes)
             entry = (weakref.ref(kv_blocks), KernelStep(self.ext, self.model, self._weights, kv_blocks))
             self._steps[id(kv_blocks)] = entry
         return entry[1]

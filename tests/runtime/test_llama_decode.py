@@ -22,6 +22,9 @@ from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 _EXT = ops.load("auto")
 AVAILABLE = ops.available_isas()
+# Logits of the "gqa" test model with int8 codes for the activations against fp32 ones: the codes
+# move each activation by up to half a step (max|x of its group| / 254).
+Q8_CODES_ATOL = 0.05
 pytestmark = pytest.mark.skipif(_EXT is None, reason="runtime._cpu_kernels is not built")
 
 
@@ -70,15 +73,18 @@ def test_every_step_through_the_kernels_matches_transformers(kind: str, isa: str
     run_script(model, kv, reference)
 
 
-@pytest.mark.parametrize("scheme", ["q8_0", "q4_1"])
-def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa: str) -> None:
+def quantized_model(scheme: str, isa: str) -> tuple[LlamaModel, LlamaModel]:
+    """The "gqa" model with its projections quantized to ``scheme``, through the kernels of
+    ``isa``, and the same weights dequantized, through torch."""
     ref, cfg = hf_model("gqa")
     config = LlamaConfig.from_hf(cfg)
     quantize = quantize_q8_0 if scheme == "q8_0" else quantize_q4_1
     packed: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
     for name, t in ref.state_dict().items():
-        if t.dim() == 2 and ".layers." in name:  # the projections (runtime.quant's registration)
+        # The projections (runtime.quant's registration), and for int8 the LM head too
+        # (runtime.store_weights.StoreWeights.quantize_head).
+        if t.dim() == 2 and (".layers." in name or (scheme == "q8_0" and name == "lm_head.weight")):
             w = quantize(t)
             packed[name], dense[name] = w.data, w.dequantize()
             packed[name + ".scales"] = w.scales  # type: ignore[assignment]
@@ -86,8 +92,21 @@ def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa:
                 packed[name + ".mins"] = w.mins
         else:
             packed[name] = dense[name] = t
-    model = LlamaModel(config, packed, cpu_kernels=isa)
-    torch_model = LlamaModel(config, dense, cpu_kernels="off")
+    return LlamaModel(config, packed, cpu_kernels=isa), LlamaModel(config, dense, cpu_kernels="off")
+
+
+def script_steps(model: LlamaModel) -> list[torch.Tensor]:
+    steps: list[torch.Tensor] = []
+    run_script(model, torch.zeros(32, *model.config.kv_block_shape(BLOCK)), lambda got, _: steps.append(got))
+    return steps
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_1"])
+def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa: str) -> None:
+    model, torch_model = quantized_model(scheme, isa)
+    assert model.cpu_kernels is not None
+    model.cpu_kernels.q8_codes = False  # fp32 activations (the codes: the test below)
+    config = model.config
     kv, kv_ref = (torch.zeros(32, *config.kv_block_shape(BLOCK)) for _ in range(2))
     steps: list[torch.Tensor] = []
     run_script(model, kv, lambda got, _: steps.append(got))
@@ -95,6 +114,27 @@ def test_quantized_weights_match_their_dequantized_torch_model(scheme: str, isa:
     run_script(
         torch_model, kv_ref, lambda want, _: torch.testing.assert_close(next(it), want, atol=1e-4, rtol=1e-4)
     )
+
+
+def test_q8_codes_stay_close_to_the_dequantized_torch_model(isa: str) -> None:
+    """int8 weights with the activations as int8 codes (the default where the path has integer
+    dots, as llama.cpp's Q8_0): every step's logits within the codes' rounding of the fp32
+    model's, and the same greedy token; bit for bit the fp32-activation path elsewhere."""
+    model, torch_model = quantized_model("q8_0", isa)
+    plain, _ = quantized_model("q8_0", isa)
+    assert model.cpu_kernels is not None and plain.cpu_kernels is not None
+    plain.cpu_kernels.q8_codes = False
+    got, fp32_x, want = script_steps(model), script_steps(plain), script_steps(torch_model)
+    ext = ops.load(isa)
+    assert ext is not None
+    codes = ext.q8_dot()
+    ops.load("auto")
+    for g, p, w in zip(got, fp32_x, want, strict=True):
+        if not codes:
+            assert torch.equal(g, p)
+        torch.testing.assert_close(g, w, atol=Q8_CODES_ATOL, rtol=0)
+        assert int(g.argmax()) == int(w.argmax())
+    assert not codes or any(not torch.equal(g, p) for g, p in zip(got, fp32_x, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from tests.conftest import PoolProcess
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 METHODS = [("int8", GGML_Q8_0), ("q4", GGML_Q4_1)]
+HEAD = "lm_head.weight"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -150,6 +151,11 @@ def test_only_aligned_projections_are_quantized() -> None:
         StoreWeights("bfloat16").add("model.layers.0.mlp.up_proj.weight.scales", torch.randn(40, 2))
 
 
+def q4_path(root: Path) -> Path:
+    write_tiny_gguf(root / "untied.gguf", hf_weights(6))
+    return root / "untied.gguf"
+
+
 @pytest.fixture(scope="module")
 def q4_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny Llama GGUF whose projections are Q4_1 (as SmolLM2's), and the home to register it in."""
@@ -183,16 +189,45 @@ def test_q4_from_q4_1_blocks_is_exact_and_shares_only_unquantized(q4_source: tup
 def test_int8_carries_q8_0_and_quantizes_anything_else(q4_source: tuple[Path, Path], tmp_path: Path) -> None:
     src, home = q4_source
     from_q4_1 = store.read_metadata(register(str(src), "int8", home=home).store_path)["quantization"]
+    assert from_q4_1["quantized"].pop(HEAD) == "quantized int8 (the LM head)"
     assert set(from_q4_1["quantized"].values()) == {"quantized"}
     q8 = tmp_path / "tiny-q8_0.gguf"
     write_tiny_gguf(q8, hf_weights(5), projections=GGML_Q8_0)
     int8, fp32 = (register(str(q8), d, home=tmp_path / "home") for d in ("int8", "float32"))
     meta = store.read_metadata(int8.store_path)["quantization"]
+    assert meta["quantized"].pop(HEAD) == "quantized int8 (the LM head)"
     assert set(meta["quantized"].values()) == {"carried Q8_0"}
     stored = load_file(str(int8.store_path / store.TENSORS_FILE))
     reference = load_file(str(fp32.store_path / store.TENSORS_FILE))
     for name in meta["quantized"]:
         assert torch.equal(dequantize(bind_weight(stored, name)), reference[name]), name  # type: ignore[arg-type]
+
+
+def test_int8_stores_its_tied_lm_head_as_int8_beside_the_bfloat16_embedding(tmp_path: Path) -> None:
+    """A decode step reads the whole head, a gather one row of the embedding: the head gets int8
+    codes of its own (llama.cpp's Q8_0 output tensor), the embedding stays bfloat16, and the
+    model uses the copy (the kernel path's head is tested in tests/runtime/test_llama_decode.py)."""
+    weights = hf_weights(5)
+    del weights[HEAD]  # tied, as SmolLM2's
+    src, home = tmp_path / "tied.gguf", tmp_path / "home"
+    write_tiny_gguf(src, weights)
+    int8 = register(str(src), "int8", home=home)
+    assert int8.config["tie_word_embeddings"]
+    stored = load_file(str(int8.store_path / store.TENSORS_FILE))
+    head, embed = bind_weight(stored, HEAD), stored["model.embed_tokens.weight"]
+    assert isinstance(head, QuantWeight) and head.method == "int8" and embed.dtype == torch.bfloat16
+    # (out, in): each value's code step. Half a step, plus 127 codes times the float16 rounding
+    # of the scale (2^-11 of it): < 0.6 of a step.
+    step = head.scales.float().repeat_interleave(32, dim=1)
+    assert ((dequantize(head, torch.float32) - embed.float()).abs() <= 0.6 * step).all()
+    model = LlamaModel(LlamaConfig.from_hf(int8.config), stored, cpu_kernels="off")
+    assert isinstance(model.lm_head, QuantWeight) and model.lm_head.q is stored[HEAD]
+    plain = register(str(src), "bfloat16", home=home)
+    assert HEAD not in load_file(str(plain.store_path / store.TENSORS_FILE))  # float: tied as before
+    untied = load_file(
+        str(register(str(q4_path(tmp_path)), "int8", home=home).store_path / store.TENSORS_FILE)
+    )
+    assert untied[HEAD].dtype == torch.int8  # an untied head is quantized in place
 
 
 @pytest.mark.parametrize("method", ["int8", "q4"])

@@ -10,7 +10,8 @@
  * weight vector loaded once feeding MC FMAs, rows streamed front to back in address order (the
  * order the hardware prefetcher follows best), two accumulators per row of x. Weights are
  * widened to fp32 in registers and x stays fp32, so results equal the portable path up to
- * summation order. There is no bf16 dot instruction here: bf16 weights always take the
+ * summation order, except for q8_0 weights under CK_X_Q8: those meet x as int8 codes in
+ * integer dot products (ck.h), as llama.cpp's Q8_0 does, at about half the instructions. There is no bf16 dot instruction here: bf16 weights always take the
  * widening path (bf16_dot = 0), whose sums for one row of x do not depend on how many rows
  * the call has (a decode step's token sums as it would in a batch). K's tail (K % 8) is
  * summed in scalar code after the vectors. */
@@ -80,7 +81,52 @@ INLINE AVX2 __m256 q8_dot(const int8_t *q, const float *x) { /* one group: 4 x 8
     return _mm256_fmadd_ps(q8x8(q + 24), _mm256_loadu_ps(x + 24), s);
 }
 
+/* With x as q8 codes (CK_X_Q8): each group's 32 int8 products summed exactly in integers
+ * (|w| * (x with w's sign) as unsigned-by-signed byte pairs, no overflow: 2 * 128 * 127 < 2^15),
+ * then scaled by the weight's and x's scales in fp32. Two accumulators: a decode step (one row
+ * of x) would otherwise wait on one FMA chain. */
+INLINE AVX2 __m256 q8q8_group(__m256i w_abs, __m256i w, const int8_t *xq) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+INLINE AVX2 void row_q8_0_codes(const ck_weight *w, i64 row, const ck_act *a, i64 m0, int MC, i64 k,
+                                float *res) {
+    __m256 acc0[4], acc1[4];
+    for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    i64 groups = k / CK_GROUP, g = 0;
+    const int8_t *q = (const int8_t *)w->data + row * k, *xq = a->xq + m0 * k;
+    const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
+    const float *xd = a->xd + m0 * groups;
+    for (; g + 2 <= groups; g += 2) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + g * CK_GROUP));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + (g + 1) * CK_GROUP));
+        __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        float s0 = f16(sc[g]), s1 = f16(sc[g + 1]);
+        for (int m = 0; m < MC; m++) {
+            const int8_t *xm = xq + m * k + g * CK_GROUP;
+            const float *dm = xd + m * groups + g;
+            acc0[m] = _mm256_fmadd_ps(q8q8_group(a0, w0, xm), _mm256_set1_ps(s0 * dm[0]), acc0[m]);
+            acc1[m] = _mm256_fmadd_ps(q8q8_group(a1, w1, xm + CK_GROUP), _mm256_set1_ps(s1 * dm[1]), acc1[m]);
+        }
+    }
+    if (g < groups) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + g * CK_GROUP));
+        __m256i a0 = _mm256_sign_epi8(w0, w0);
+        float s0 = f16(sc[g]);
+        for (int m = 0; m < MC; m++)
+            acc0[m] = _mm256_fmadd_ps(q8q8_group(a0, w0, xq + m * k + g * CK_GROUP),
+                                      _mm256_set1_ps(s0 * xd[m * groups + g]), acc0[m]);
+    }
+    for (int m = 0; m < MC; m++) res[m] = hsum(_mm256_add_ps(acc0[m], acc1[m]));
+}
+
 INLINE AVX2 void row_q8_0(const ck_weight *w, i64 row, const ck_act *a, i64 m0, int MC, i64 k, float *res) {
+    if (a->xq) {
+        row_q8_0_codes(w, row, a, m0, MC, k, res);
+        return;
+    }
     __m256 acc0[4], acc1[4];
     for (int m = 0; m < 4; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
     const float *x = a->x + m0 * a->ldx;
@@ -236,5 +282,5 @@ static AVX2 void attn(const ck_attn *a, const float *q, const i64 *table, i64 ct
     for (int j = 0; j < nv; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], inv));
 }
 
-const ck_isa ck_avx2_isa = {"avx2", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 0};
+const ck_isa ck_avx2_isa = {"avx2", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 0, 1};
 #endif

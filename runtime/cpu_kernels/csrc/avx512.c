@@ -279,5 +279,5 @@ static AVX512 void attn(const ck_attn *a, const float *q, const i64 *table, i64 
     for (int j = 0; j < nv; j++) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], inv));
 }
 
-const ck_isa ck_avx512_isa = {"avx512", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 1};
+const ck_isa ck_avx512_isa = {"avx512", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 1, 0};
 #endif

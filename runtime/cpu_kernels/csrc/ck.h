@@ -40,6 +40,8 @@ typedef struct {
     const float *xperm; /* q4_1: x with every group of 32 reordered evens then odds, (M, K) */
     const float *xsum;  /* q4_1: sum of x per group, (M, K/32) */
     const uint16_t *xbf; /* bf16 weights on the AVX-512 path: x as bf16 (M, K) when it is exact */
+    const int8_t *xq;    /* q8_0 weights with CK_X_Q8 on a path with integer dots: x as int8 (M, K) */
+    const float *xd;     /* ... and each group's scale, (M, K/32): x ~= xq * xd */
 } ck_act;
 
 /* Results of one tile: res[r * 4 + m] = dot(W row r0 + r, x row m0 + m), r < R <= 4, m < MC <= 4. */
@@ -63,6 +65,7 @@ typedef struct {
     ck_tile_fn tile[4]; /* by dtype: F32, BF16, Q8_0, Q4_1 */
     ck_attn_fn attn;
     int bf16_dot; /* its bf16 tile reads ck_act.xbf (CK_X_BF16) */
+    int q8_dot;   /* its q8_0 tile reads ck_act.xq (CK_X_Q8) */
 } ck_isa;
 
 extern const ck_isa ck_generic_isa;
@@ -149,8 +152,12 @@ static inline float ck_load(const void *p, i64 dtype, i64 i) {
 /* ---- drivers (ops.c): argument checks are the binding's job ------------------------------- */
 
 /* CK_X_BF16: every x value is a bfloat16 (a bf16 model's activations are rounded to it), so bf16
- * weights may use bf16 dot products (vdpbf16ps: exact products, fp32 sums) at half the FMAs. */
-enum { CK_ACCUMULATE = 1, CK_ROUND_BF16 = 2, CK_X_BF16 = 4 };
+ * weights may use bf16 dot products (vdpbf16ps: exact products, fp32 sums) at half the FMAs.
+ * CK_X_Q8: q8_0 weights may meet x quantized the same way, int8 per group of 32 with an fp32
+ * scale (what llama.cpp's Q8_0 dot product does): exact integer dot products per group at about
+ * half the instructions of widening every weight to fp32. Each x value moves by at most half a
+ * step (max|x of its group| / 254); a row's codes do not depend on the other rows. */
+enum { CK_ACCUMULATE = 1, CK_ROUND_BF16 = 2, CK_X_BF16 = 4, CK_X_Q8 = 8 };
 
 int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const float *x, i64 ldx,
               i64 m, i64 k, float *out, i64 ldo, int flags, int swiglu);

@@ -107,4 +107,4 @@ static void attn(const ck_attn *a, const float *q, const i64 *table, i64 ctx, i6
     for (i64 i = 0; i < d; i++) out[i] = acc[i] / l;
 }
 
-const ck_isa ck_generic_isa = {"generic", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 0};
+const ck_isa ck_generic_isa = {"generic", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 0, 0};

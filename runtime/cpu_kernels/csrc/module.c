@@ -70,7 +70,8 @@ PyDoc_STRVAR(linear_doc,
 "(int64 (nweights, 8): dtype, data, scales, mins, bias, bias_dtype, out_features, 0), side by side\n"
 "in `out`. x: fp32 (m, k), row stride ldx; out: fp32, row stride ldo. flags: 1 accumulate\n"
 "(out += result), 2 round to bfloat16 where the torch path does, 4 every x is a bfloat16 value\n"
-"(bf16 weights may then use bf16 dot products). swiglu=1 (two weights, gate\n"
+"(bf16 weights may then use bf16 dot products), 8 q8_0 weights may meet x quantized to int8\n"
+"per group of 32 (integer dot products where the path has them). swiglu=1 (two weights, gate\n"
 "and up): out = silu(x @ Wg.T) * (x @ Wu.T).");
 
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -331,6 +332,14 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(state_of(self)->isa->name);
 }
 
+PyDoc_STRVAR(q8_dot_doc,
+"q8_dot()\n--\n\nWhether the path's q8_0 products take x as int8 codes under flag 8 (integer dots).");
+
+static PyObject *py_q8_dot(PyObject *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(state_of(self)->isa->q8_dot);
+}
+
 PyDoc_STRVAR(set_isa_doc,
 "set_isa(name)\n--\n\nForce 'generic', 'avx2' or 'avx512' (ValueError when this CPU lacks it); 'auto': the best.");
 
@@ -369,6 +378,7 @@ static PyMethodDef methods[] = {
     {"embedding", (PyCFunction)(void (*)(void))py_embedding, METH_FASTCALL, embedding_doc},
     {"decoder_layers", (PyCFunction)(void (*)(void))py_decoder_layers, METH_FASTCALL, decoder_layers_doc},
     {"isa", py_isa, METH_NOARGS, isa_doc},
+    {"q8_dot", py_q8_dot, METH_NOARGS, q8_dot_doc},
     {"set_isa", py_set_isa, METH_O, set_isa_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -22,16 +22,45 @@ static void tile_all_rows(const ck_isa *isa, const ck_weight *w, i64 r0, int R, 
     }
 }
 
+/* x as q8 codes (CK_X_Q8): per group of 32, d = max|x| / 127 and q = x / d rounded to nearest
+ * (even). A group holding a NaN or an infinity gets d = NaN and codes 0, so its products come
+ * out NaN as the float path's would (a float NaN has no int8 code). */
+static void quantize_q8(const float *x, i64 ldx, i64 m, i64 k, int8_t *q, float *d) {
+    i64 groups = k / CK_GROUP;
+    for (i64 r = 0; r < m; r++)
+        for (i64 g = 0; g < groups; g++) {
+            const float *xs = x + r * ldx + g * CK_GROUP;
+            int8_t *qs = q + r * k + g * CK_GROUP;
+            float amax = 0.f;
+            int finite = 1;
+            for (int i = 0; i < CK_GROUP; i++) {
+                float v = fabsf(xs[i]);
+                finite &= v <= 3.4028235e38f; /* false for NaN and infinities */
+                amax = v > amax ? v : amax;
+            }
+            if (!finite) {
+                d[r * groups + g] = NAN;
+                memset(qs, 0, CK_GROUP);
+                continue;
+            }
+            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            d[r * groups + g] = amax / 127.f;
+            for (int i = 0; i < CK_GROUP; i++) qs[i] = (int8_t)lrintf(xs[i] * inv);
+        }
+}
+
 int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const float *x, i64 ldx, i64 m,
               i64 k, float *out, i64 ldo, int flags, int swiglu) {
     int round = flags & CK_ROUND_BF16, accumulate = flags & CK_ACCUMULATE;
-    ck_act a = {x, ldx, m, k, NULL, NULL, NULL};
+    ck_act a = {x, ldx, m, k, NULL, NULL, NULL, NULL, NULL};
     float *scratch = NULL;
     uint16_t *xbf = NULL;
-    int need_perm = 0, any_bf16 = 0;
+    float *xd = NULL; /* CK_X_Q8: scales and codes in one block */
+    int need_perm = 0, any_bf16 = 0, any_q8 = 0;
     for (int i = 0; i < nw; i++) {
         need_perm |= w[i].dtype == CK_Q4_1;
         any_bf16 |= w[i].dtype == CK_BF16;
+        any_q8 |= w[i].dtype == CK_Q8_0;
     }
     if ((flags & CK_X_BF16) && any_bf16 && isa->bf16_dot) {
         xbf = malloc(sizeof(uint16_t) * (size_t)(m * k));
@@ -40,11 +69,23 @@ int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const
             for (i64 j = 0; j < k; j++) xbf[r * k + j] = ck_f32_to_bf16(x[r * ldx + j]);
         a.xbf = xbf;
     }
+    if ((flags & CK_X_Q8) && any_q8 && isa->q8_dot) { /* the groups' scales, then the codes */
+        i64 groups = m * (k / CK_GROUP);
+        xd = malloc(sizeof(float) * (size_t)groups + (size_t)(m * k));
+        if (!xd) {
+            free(xbf);
+            return -1;
+        }
+        quantize_q8(x, ldx, m, k, (int8_t *)(xd + groups), xd);
+        a.xq = (const int8_t *)(xd + groups);
+        a.xd = xd;
+    }
     if (need_perm) { /* q4_1 reads x as evens then odds per group, and each group's sum */
         i64 groups = k / CK_GROUP;
         scratch = malloc(sizeof(float) * (size_t)(m * k + m * groups));
         if (!scratch) {
             free(xbf);
+            free(xd);
             return -1;
         }
         for (i64 r = 0; r < m; r++) {
@@ -120,6 +161,7 @@ int ck_linear(const ck_isa *isa, int nthreads, const ck_weight *w, int nw, const
     }
     free(scratch);
     free(xbf);
+    free(xd);
     return failed ? -1 : 0;
 }
 

@@ -74,6 +74,66 @@ def test_linear_matches_dequantized_reference(ext: ModuleType, kind: str, m: int
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+def q8_codes(x: torch.Tensor) -> torch.Tensor:
+    """x as the CK_X_Q8 codes give it back (fp32 ops as the C code does them): per group of 32,
+    d = max|x| / 127, q = round(x * 127 / max|x|) to nearest even; returns q * d."""
+    m, k = x.shape
+    groups = x.reshape(m, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv).double() * (amax / 127.0).double()).reshape(m, k)
+
+
+@pytest.mark.parametrize("m", [1, 4, 7, 64])
+@pytest.mark.parametrize("k", [96, 576])  # an odd number of groups (a tail), and SmolLM2's width
+def test_q8_codes_of_x_give_exact_integer_products(ext: ModuleType, m: int, k: int) -> None:
+    """x_q8 on a path with integer dots: the products of the weights and x's codes, exactly
+    summed per group (up to fp32 summation of the groups); elsewhere the flag changes nothing."""
+    g = torch.Generator().manual_seed(m + k)
+    w = make_weight("q8_0", 37, k, g)
+    x = torch.randn(m, k, generator=g) * 3
+    got = ops.linear(ext, x, [w], x_q8=True, threads=2)
+    plain = ops.linear(ext, x, [w], threads=2)
+    if not ext.q8_dot():
+        assert torch.equal(got, plain)
+        return
+    ref = q8_codes(x) @ w.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(got, plain)  # it did take the codes
+    swi = ops.linear(ext, x, [w, w], x_q8=True, swiglu=True, threads=2)  # the fused epilogue too
+    torch.testing.assert_close(swi, F.silu(got) * got, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_codes_one_row_sums_as_a_batch_row_does(ext: ModuleType) -> None:
+    """A row's codes depend on that row only: a decode step's token sums as it would in a batch."""
+    g = torch.Generator().manual_seed(5)
+    w = make_weight("q8_0", 45, 576, g)
+    x = torch.randn(5, 576, generator=g)
+    x[2] *= 100  # another row's scale must not matter
+    batch = ops.linear(ext, x, [w], x_q8=True, threads=2)
+    for i in range(x.shape[0]):
+        assert torch.equal(ops.linear(ext, x[i : i + 1], [w], x_q8=True, threads=2), batch[i : i + 1])
+
+
+def test_q8_codes_keep_nan_and_full_range_weights(ext: ModuleType) -> None:
+    """A NaN or an infinity in x makes its row NaN (as fp32 x would: it has no int8 code), other
+    rows stay exact; a weight code of -128 (GGUF Q8_0 allows it) meets the largest x codes
+    without the pairwise int16 sums saturating."""
+    g = torch.Generator().manual_seed(6)
+    k = 64
+    data = torch.full((3, k), -128, dtype=torch.int8)
+    data[1] = 127
+    data[2] = torch.randint(-128, 128, (k,), generator=g, dtype=torch.int8)
+    w = Weight(data, torch.full((3, k // 32), 0.5, dtype=torch.float16))
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, 7], x[3, 40] = float("nan"), float("inf")
+    got = ops.linear(ext, x, [w], x_q8=True, threads=2)
+    ref = x[:2].double() @ w.dequantize().double().T
+    torch.testing.assert_close(got[:2].double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.isnan(got[2]).all() and not torch.isfinite(got[3]).any()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_qkv_bias_and_accumulate(ext: ModuleType, kind: str) -> None:
     g = torch.Generator().manual_seed(1)
