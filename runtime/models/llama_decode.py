@@ -179,10 +179,10 @@ class KernelPath:
 
     ``q8_codes`` (set before the first step): int8 (q8_0) weights meet the activations
     quantized to int8 per group of 32 where the path has integer dot products (AVX2), as
-    llama.cpp's Q8_0 does: on a Zen 3 VM that decoded SmolLM2 int8 at 1.3x the rate of
-    widening every weight to fp32 (README), at a perplexity within the int8 target
-    (tests/runtime/test_quant_quality.py). False: fp32 activations, the dequantized model's
-    results up to summation order."""
+    llama.cpp's Q8_0 does: on one Zen 3 core a (46,080 x 576) int8 matrix times one token took
+    2.0 ms against 2.6 ms widening every weight to fp32, and SmolLM2 int8's perplexity on
+    Alice ch. I went from 20.113 to 20.134 (bf16: 20.085). False: fp32 activations, the
+    dequantized model's results up to summation order."""
 
     def __init__(self, ext: ModuleType, model: LlamaModel, prefill_tokens: int | None = None) -> None:
         self.ext, self.model = ext, model
