@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -28,10 +29,12 @@ from gpu_pool.errors import ERRORS_BY_CODE, KVQuotaExceeded, OutOfMemory, PoolEr
 from gpu_pool.manifest import Manifest
 from gpu_pool.readiness import Readiness
 from gpu_pool.wire import fdpass
-from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, encode, recv_frame
+from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("ember.pool.client")
 
 __all__ = ["AcquireReport", "KVBlocks", "MappedArena", "PoolClient", "Readiness", "RemotePoolError", "premap"]
 
@@ -211,32 +214,28 @@ class PoolClient:
     def acquire_with_kv(
         self, manifest: Manifest, num_blocks: int, block_bytes: int
     ) -> tuple[dict[str, int], KVBlocks | None]:
-        """:meth:`acquire_placements` and ``kv_alloc(num_blocks, block_bytes, aligned=True)`` in
-        one round trip (a new instance's first KV blocks come with its weights: on a busy
-        2-core host a round trip to the pool took 1-3.5 ms of a cold start). The blocks are
-        None when the pool had no room or quota for them (the engine then allocates on
-        demand); an acquire that fails raises, and the blocks, if granted, stay with the
-        session (closing it frees them)."""
-        (acquired, acquired_fds), (kv, kv_fds) = self._exchange(
-            [
-                ("acquire", {"manifest_bin": manifest.encoded()}),
-                ("kv_alloc", {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}),
-            ]
-        )
-        for fd in acquired_fds:  # none expected: do not leak what an odd daemon sent
+        """:meth:`acquire_placements`, and once the tensors are pinned ``kv_alloc(num_blocks,
+        block_bytes, aligned=True)`` in the same request (a new instance's first KV blocks come
+        with its weights: on a busy 2-core host a round trip to the pool took 1-3.5 ms of a
+        cold start). The blocks are None when the pool could not grant them (no room, quota:
+        the engine then allocates on demand); an acquire that fails raises and allocates nothing."""
+        kv = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
+        reply, fds = self._request("acquire", manifest_bin=manifest.encoded(), kv=kv)
+        for fd in fds[1:]:  # at most the session's KV memory is expected: leak nothing else
             os.close(fd)
-        if kv_fds:  # the session's KV memory, sent with its first kv_alloc (as in kv_alloc)
-            self._fds["kv"] = kv_fds[0]
-        _raise_for(acquired)
-        self.last_acquire = AcquireReport.from_wire(acquired.get("report"))
-        placements: dict[str, int] = acquired["placements"]
-        try:
-            _raise_for(kv)
-        except RemotePoolError as exc:
-            if exc.kind in (OutOfMemory, KVQuotaExceeded):
-                return placements, None
-            raise
-        return placements, KVBlocks(tuple(kv["block_ids"]), tuple(kv["offsets"]), kv["block_bytes"])
+        if fds:  # the session's KV memory, sent with its first blocks (as in kv_alloc)
+            self._close_fd("kv")
+            self._fds["kv"] = fds[0]
+        self.last_acquire = AcquireReport.from_wire(reply.get("report"))
+        placements: dict[str, int] = reply["placements"]
+        granted = reply.get("kv")
+        if granted is None:
+            failed = reply.get("kv_error") or {}
+            if ERRORS_BY_CODE.get(str(failed.get("type"))) not in (OutOfMemory, KVQuotaExceeded):
+                log.warning("the pool granted no KV blocks with the acquire: %s", failed.get("message"))
+            return placements, None
+        blocks = KVBlocks(tuple(granted["block_ids"]), tuple(granted["offsets"]), granted["block_bytes"])
+        return placements, blocks
 
     def acquire_progressive(
         self, manifest: Manifest, groups: list[int] | None = None
@@ -398,42 +397,23 @@ class PoolClient:
 
     def _request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """One request; the reply and the descriptors sent after it (see gpu_pool.wire.fdpass)."""
-        ((reply, fds),) = self._exchange([(op, fields)])
-        _raise_for(reply)
-        return reply, fds
-
-    def _exchange(self, requests: list[tuple[str, dict[str, Any]]]) -> list[tuple[dict[str, Any], list[int]]]:
-        """Send every request, then read every reply, in order (the daemon answers a session's
-        requests one at a time, in order): one round trip for all of them. Error replies are
-        returned, not raised, so that no reply is ever left unread on the socket."""
-        ids = [next(self._ids) for _ in requests]
-        out: list[tuple[dict[str, Any], list[int]]] = []
+        request_id = next(self._ids)
+        fds: list[int] = []
         try:
-            frames = [
-                encode({"v": PROTOCOL_VERSION, "op": op, "id": i, **fields})
-                for i, (op, fields) in zip(ids, requests, strict=True)
-            ]
-            self._sock.sendall(b"".join(frames))
-            for request_id in ids:
-                reply = decode_reply(recv_frame(self._sock))
-                if reply.get("id") != request_id:
-                    raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
-                out.append((reply, fdpass.recv_fds(self._sock, reply["fds"]) if reply.get("fds") else []))
+            send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
+            reply = decode_reply(recv_frame(self._sock))
+            if reply.get("id") != request_id:
+                raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
+            if reply.get("fds"):
+                fds = fdpass.recv_fds(self._sock, reply["fds"])
         except (OSError, ProtocolError):
             # A late reply would answer the next call: this session cannot be trusted any more.
             # Closing it makes the daemon release everything the session held.
-            for _, fds in out:
-                for fd in fds:
-                    os.close(fd)
             self._stop_watch()
             self._sock.close()
             raise
-        return out
-
-
-def _raise_for(reply: dict[str, Any]) -> None:
-    """:class:`RemotePoolError` for an error reply."""
-    if not reply.get("ok"):
-        err = reply.get("error") or {}
-        details = {k: v for k, v in err.items() if k not in ("type", "message")}
-        raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            details = {k: v for k, v in err.items() if k not in ("type", "message")}
+            raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
+        return reply, fds

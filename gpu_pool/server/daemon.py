@@ -425,7 +425,15 @@ class PoolDaemon:
         if request.progressive:
             return await self._acquire_progressive(session, trusted, request)
         result = await self._acquire(session.session_id, trusted, request.access)
-        return {"placements": result.placements, "report": result.to_wire()}, []
+        reply: dict[str, Any] = {"placements": result.placements, "report": result.to_wire()}
+        if request.kv is None:
+            return reply, []
+        try:  # the weights are pinned either way; the blocks are the session's if granted
+            reply["kv"], fds = await self._on_kv_alloc(session, request.kv)
+        except PoolError as exc:  # no room, quota, ...: the caller allocates later, on demand
+            reply["kv_error"] = {"type": exc.code, "message": str(exc)}
+            return reply, []
+        return reply, fds
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:
         await self._finish_progressive(session.session_id, cancel=True)

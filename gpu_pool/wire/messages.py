@@ -85,7 +85,13 @@ class Acquire(Request):
     ``progressive`` (TIDAL §5.2): reply once the tensors are placed and pinned, before their
     bytes are in, with a readiness pipe; ``groups`` are the ends (exclusive, strictly
     increasing, the last one the manifest's tensor count) of the groups of manifest tensors,
-    in manifest (access) order, whose readiness the pipe reports one byte each."""
+    in manifest (access) order, whose readiness the pipe reports one byte each.
+
+    ``kv`` (``num_blocks``, ``block_bytes``, ``aligned`` as :class:`KVAlloc` has them): once the
+    tensors are pinned, a ``kv_alloc`` for the session in the same request, answered in the
+    same reply (``kv``, or ``kv_error`` when only the blocks could not be had): a new instance's
+    weights and first KV blocks in one round trip. Nothing is allocated when the acquire fails.
+    Not with ``progressive``."""
 
     op: ClassVar[str] = "acquire"
     manifest_bin: bytes | None
@@ -93,6 +99,7 @@ class Acquire(Request):
     access: bool = True  # False: not a request for the model (a standby's preparation)
     progressive: bool = False
     groups: tuple[int, ...] = ()
+    kv: KVAlloc | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Acquire:
@@ -118,7 +125,13 @@ class Acquire(Request):
             a >= b for a, b in itertools.pairwise(raw_groups)
         ):
             raise InvalidArgument("acquire: 'groups' must be strictly increasing positive ends", "groups")
-        return cls(encoded, msg.get("manifest"), access, progressive, tuple(raw_groups))
+        raw_kv = msg.get("kv")
+        if raw_kv is not None and not isinstance(raw_kv, dict):
+            raise ProtocolError("acquire: 'kv' must be a map")
+        if raw_kv is not None and progressive:
+            raise InvalidArgument("acquire: 'kv' cannot come with 'progressive'", "kv")
+        kv = None if raw_kv is None else KVAlloc.parse(raw_kv)
+        return cls(encoded, msg.get("manifest"), access, progressive, tuple(raw_groups), kv)
 
 
 @dataclass(frozen=True, slots=True)

@@ -303,17 +303,36 @@ def test_acquire_with_kv_without_room_for_the_blocks_still_acquires(
         assert c.stats()["kv_bytes"] == 0
 
 
-def test_a_failed_acquire_with_kv_leaves_no_reply_unread(
+def test_a_failed_acquire_with_kv_allocates_no_blocks(
     pool_process: PoolProcess, manifest: Manifest, tmp_path: Path
 ) -> None:
-    """The acquire fails after both requests were sent: the kv_alloc's reply is read too, so the
-    session's next call gets its own reply (and the blocks stay with the session)."""
+    """The blocks come only once the tensors are pinned: an acquire that fails takes nothing
+    (no block, so nothing evicted for one), and the session goes on."""
     untrusted = write_entry(tmp_path / "elsewhere", "x", random_tensors(2, [64]))
     with PoolClient(pool_process.socket_path) as c:
         with pytest.raises(RemotePoolError) as failed:
             c.acquire_with_kv(untrusted, 2, 4096)
         assert failed.value.code == "untrusted_manifest"
-        assert c.stats()["kv_bytes"] > 0  # in step: this is the stats reply
-        assert set(c.acquire_placements(manifest)) == {e.name for e in manifest.tensors}
-    with PoolClient(pool_process.socket_path) as observer:
-        assert observer.stats()["kv_bytes"] == 0  # closing the session freed them
+        assert c.stats()["kv_bytes"] == 0
+        placements, kv = c.acquire_with_kv(manifest, 2, 4096)
+        assert set(placements) == {e.name for e in manifest.tensors} and kv is not None
+
+
+def test_acquire_checks_its_kv_request(pool_process: PoolProcess, manifest: Manifest) -> None:
+    with PoolClient(pool_process.socket_path) as c:
+        for kv, error in (
+            ({"num_blocks": 0, "block_bytes": 4096}, "invalid_argument"),
+            ([3, 4096], "protocol_error"),
+        ):
+            with pytest.raises(RemotePoolError) as bad:
+                c._call("acquire", manifest_bin=manifest.encoded(), kv=kv)
+            assert bad.value.code == error, bad.value
+        with pytest.raises(RemotePoolError) as progressive:
+            c._call(
+                "acquire",
+                manifest_bin=manifest.encoded(),
+                progressive=True,
+                kv={"num_blocks": 1, "block_bytes": 64},
+            )
+        assert progressive.value.code == "invalid_argument"
+        assert c.stats()["kv_bytes"] == 0 and c.stats()["pinned_bytes"] == 0

@@ -104,6 +104,27 @@ def test_q8_codes_of_x_give_exact_integer_products(ext: ModuleType, m: int, k: i
     torch.testing.assert_close(swi, F.silu(got) * got, rtol=1e-5, atol=1e-5)
 
 
+def test_q8_codes_of_strided_and_tiny_x(ext: ModuleType) -> None:
+    """x as a view of a wider tensor (row stride > k: the codes are packed, x is not), and a group
+    too small for 127 / max|x| to be finite (its codes and scale are 0: it adds nothing)."""
+    g = torch.Generator().manual_seed(7)
+    w = make_weight("q8_0", 20, 64, g)
+    wide = torch.randn(3, 96, generator=g)
+    x = wide[:, :64]
+    assert x.stride(0) == 96
+    got = ops.linear(ext, x, [w], x_q8=True, threads=2)
+    assert torch.equal(got, ops.linear(ext, x.contiguous(), [w], x_q8=True, threads=2))
+    tiny = torch.randn(2, 64, generator=g)
+    tiny[0, :32] *= 1e-38  # subnormal-sized: 127 / max overflows
+    out = ops.linear(ext, tiny, [w], x_q8=True, threads=2)
+    assert torch.isfinite(out).all()
+    if ext.q8_dot():
+        kept = tiny.clone()
+        kept[0, :32] = 0
+        ref = q8_codes(kept) @ w.dequantize().double().T
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_q8_codes_one_row_sums_as_a_batch_row_does(ext: ModuleType) -> None:
     """A row's codes depend on that row only: a decode step's token sums as it would in a batch."""
     g = torch.Generator().manual_seed(5)
