@@ -221,20 +221,13 @@ class PoolClient:
         the engine then allocates on demand); an acquire that fails raises and allocates nothing."""
         kv = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
         reply, fds = self._request("acquire", manifest_bin=manifest.encoded(), kv=kv)
-        for fd in fds[1:]:  # at most the session's KV memory is expected: leak nothing else
-            os.close(fd)
-        if fds:  # the session's KV memory, sent with its first blocks (as in kv_alloc)
-            self._close_fd("kv")
-            self._fds["kv"] = fds[0]
+        blocks = self._kv_blocks(reply.get("kv"), fds)
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
-        granted = reply.get("kv")
-        if granted is None:
+        if blocks is None:
             failed = reply.get("kv_error") or {}
             if ERRORS_BY_CODE.get(str(failed.get("type"))) not in (OutOfMemory, KVQuotaExceeded):
                 log.warning("the pool granted no KV blocks with the acquire: %s", failed.get("message"))
-            return placements, None
-        blocks = KVBlocks(tuple(granted["block_ids"]), tuple(granted["offsets"]), granted["block_bytes"])
         return placements, blocks
 
     def acquire_progressive(
@@ -274,9 +267,22 @@ class PoolClient:
         reply, fds = self._request(
             "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned
         )
+        blocks = self._kv_blocks(reply, fds)
+        if blocks is None:
+            raise ProtocolError("a kv_alloc reply without its blocks")
+        return blocks
+
+    def _kv_blocks(self, granted: dict[str, Any] | None, fds: list[int]) -> KVBlocks | None:
+        """The blocks of a ``kv_alloc`` answer (``kv_alloc``'s reply, or an acquire's ``kv``);
+        the session's KV memory comes with its first blocks (kept, mapped on first use)."""
+        for fd in fds[1:]:  # at most that one descriptor is expected: leak nothing else
+            os.close(fd)
         if fds:
+            self._close_fd("kv")
             self._fds["kv"] = fds[0]
-        return KVBlocks(tuple(reply["block_ids"]), tuple(reply["offsets"]), reply["block_bytes"])
+        if granted is None:
+            return None
+        return KVBlocks(tuple(granted["block_ids"]), tuple(granted["offsets"]), granted["block_bytes"])
 
     def kv_free(self, block_ids: list[int] | tuple[int, ...]) -> int:
         """Return KV blocks to the pool; returns how many were freed."""

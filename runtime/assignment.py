@@ -244,9 +244,7 @@ def _acquire(binding: ModelBinding, client: Any, prefetch_kv: bool) -> tuple[dic
     num_blocks = binding.engine.kv_prefetch() if prefetch_kv else 0
     if num_blocks == 0 or not isinstance(source, PoolBlockSource):
         return client.acquire_placements(manifest), None
-    placements: dict[str, int]
-    placements, kv = client.acquire_with_kv(manifest, num_blocks, source.block_bytes)
-    return placements, kv
+    return client.acquire_with_kv(manifest, num_blocks, source.block_bytes)  # type: ignore[no-any-return]
 
 
 async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment, AssignReply]:

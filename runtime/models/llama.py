@@ -167,8 +167,9 @@ class LlamaModel:
         self.norm = w["model.norm.weight"]
         # An int8 registration stores its LM head as int8 planes, a tied one as a copy
         # (runtime.store_weights.StoreWeights.quantize_head): the head is then that copy.
-        head = "lm_head.weight" if "lm_head.weight" in w or not config.tie_word_embeddings else None
-        self.lm_head: Linear = self.embed if head is None else bind_weight(w, head)
+        tied = config.tie_word_embeddings and "lm_head.weight" not in w
+        self.head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head: Linear = bind_weight(w, self.head_name)
         self.layers = []
 
         def lin(name: str) -> Linear:  # a quantized weight binds with its scales

@@ -54,9 +54,7 @@ class KernelWeights:
             self.flags |= ops.X_Q8
         self.norm_code = ops.float_code(model.dtype)
         self.embed = ops.descriptors([Weight.from_table(w, "model.embed_tokens.weight")])
-        tied = cfg.tie_word_embeddings and "lm_head.weight" not in w  # else its own (int8) copy
-        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.head = ops.descriptors([Weight.from_table(w, head)])
+        self.head = ops.descriptors([Weight.from_table(w, model.head_name)])
         self.norm = model.norm.data_ptr()
         self.layers: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
         for i in range(cfg.num_layers):
