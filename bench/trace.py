@@ -23,7 +23,8 @@ Per configuration (mCache §6.3 and Table 3, Tangram's cold-start metrics, the s
   prompt tokens / 512 s) and time per output token <= slo.tpot; failures miss it).
 
 Prints one JSON line (``--out FILE`` appends it there too, for ``bench/plots.py``). ``--quick``
-is the CI smoke test of the harness: the quick zoo, two policies, one capacity, a short trace.
+is the CI smoke test of the harness: the quick zoo, two policies, one capacity, a short trace,
+two pre-warmed workers.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ CAPACITIES = (0.4, 0.6, 0.8)
 # 2 cores) is not what the policies are compared on. Standbys (default 2) are off for the same
 # reason: each expiry would start one more process on the same cores.
 PREWARM = 6
+# --quick (the CI smoke test of the harness, not a comparison): Ember's default. Each pre-warmed
+# worker starts after the last one is up (~4 s each on 2 cores), and a fresh server per
+# configuration waited ~25 s for six before its replay began.
+QUICK_PREWARM = 2
 STANDBY = 0
 KEEP_ALIVE_S = 2.0  # the functions' keep-alive: Azure's 20 minutes, compressed by TIME_SCALE
 TIME_SCALE = AZURE_KEEP_ALIVE_S / KEEP_ALIVE_S  # trace seconds per replay second (600)
@@ -87,8 +92,8 @@ def trace_config(
     """The trace both trace benchmarks replay (``bench.trace_pool`` uses the same one)."""
     return TraceConfig(
         num_functions=len(zoo.models),
-        num_requests=requests if requests is not None else (24 if quick else 80),
-        duration_s=duration if duration is not None else (20.0 if quick else 90.0),
+        num_requests=requests if requests is not None else (16 if quick else 80),
+        duration_s=duration if duration is not None else (12.0 if quick else 90.0),
         max_tokens=(2, 4),
         prompt_tokens=(8, 32),
         seed=seed,
@@ -139,20 +144,27 @@ def score(result: ReplayResult, slo: SloSpec) -> dict[str, Any]:
 
 
 def run_config(
-    zoo: Zoo, trace: Trace, order: list[str], policy: str, capacity: float, work: Path
+    zoo: Zoo,
+    trace: Trace,
+    order: list[str],
+    policy: str,
+    capacity: float,
+    work: Path,
+    prewarm: int = PREWARM,
 ) -> dict[str, Any]:
-    """Replay ``trace`` on a fresh ``ember serve`` with ``policy`` and ``capacity``."""
+    """Replay ``trace`` on a fresh ``ember serve`` with ``policy``, ``capacity`` and
+    ``prewarm`` pre-warmed workers."""
     arena = arena_bytes(zoo, capacity)
     env = {
         "EMBER_ARENA": str(arena),
         "EMBER_POOL_IMPORTANCE": policy,
-        "EMBER_PREWARM": str(PREWARM),
+        "EMBER_PREWARM": str(prewarm),
         "EMBER_STANDBY": str(STANDBY),
     }
     t0 = time.perf_counter()
     with Replay(zoo, work / f"{policy}-{capacity}", env, f"{KEEP_ALIVE_S:g}s") as replay:
         replay.deploy(zoo.models)
-        replay.wait_ready(PREWARM)
+        replay.wait_ready(prewarm)
         result = replay.run(trace, order)
     out = {"policy": policy, "capacity": capacity, "arena_bytes": arena, **score(result, SloSpec())}
     out["config_s"] = round(time.perf_counter() - t0, 1)
@@ -230,7 +242,10 @@ def main(argv: list[str] | None = None) -> None:
     trace = generate(config)
     order = function_order(zoo, args.seed)
     with tempfile.TemporaryDirectory(prefix="ember-trace-") as tmp:
-        configs = [run_config(zoo, trace, order, p, c, Path(tmp)) for c in capacities for p in policies]
+        prewarm = QUICK_PREWARM if args.quick else PREWARM
+        configs = [
+            run_config(zoo, trace, order, p, c, Path(tmp), prewarm) for c in capacities for p in policies
+        ]
     line = {
         "bench": "trace",
         "profile": profile,

