@@ -54,7 +54,11 @@ def smollm2_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from runtime.registry import register
 
     home = tmp_path_factory.mktemp("smollm2-bf16")
-    register(SMOLLM2, "bfloat16", home=home)
+    umask = os.umask(0o077)  # owner-only, as `ember serve` registers (the links keep the modes)
+    try:
+        register(SMOLLM2, "bfloat16", home=home)
+    finally:
+        os.umask(umask)
     return home / "models"
 
 
