@@ -37,6 +37,18 @@ INLINE AVX2 float hsum(__m256 v) {
 
 INLINE AVX2 float f16(uint16_t h) { return _cvtsh_ss(h); }
 
+/* Weights are read once per step, front to back, from memory (a model is far larger than the
+ * caches), so a row's loop asks for the line a page ahead of what it reads. The hardware's
+ * stream prefetchers stop at 4 KiB page boundaries and restart on each of a step's ~150 small
+ * matrices (SmolLM2's are 0.4-3.5 MB); the software prefetch keeps the next page on its way.
+ * On a 2-core Zen 3 VM: the layers' matrices streamed at ~18 -> ~21 GB/s, and the raw engine's
+ * batch-1 decode went 58 -> 67 tok/s (bf16) and 79 -> 91 tok/s (int8), medians of 4 runs in
+ * turns. A prefetch past the end of the weights is harmless (prefetches do not fault). */
+#define PREFETCH_BYTES 4096
+INLINE AVX2 void ahead(const char *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + PREFETCH_BYTES), _MM_HINT_T0);
+}
+
 /* ---- fp32 and bf16 weights: any K (a scalar tail) ------------------------------------------ */
 
 INLINE AVX2 __m256 ld_w(const void *w, int bf16, i64 off) {
@@ -50,6 +62,7 @@ INLINE AVX2 void row_float(const void *w, int bf16, i64 row, const ck_act *a, i6
     const float *x = a->x + m0 * a->ldx;
     i64 base = row * k, i = 0;
     for (; i + 16 <= k; i += 16) {
+        ahead((const char *)w + (base + i) * (bf16 ? 2 : 4));
         __m256 w0 = ld_w(w, bf16, base + i), w1 = ld_w(w, bf16, base + i + 8);
         for (int m = 0; m < MC; m++) {
             acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * a->ldx + i), acc0[m]);
@@ -100,6 +113,7 @@ INLINE AVX2 void row_q8_0_codes(const ck_weight *w, i64 row, const ck_act *a, i6
     const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
     const float *xd = a->xd + m0 * groups;
     for (; g + 2 <= groups; g += 2) {
+        ahead((const char *)(q + g * CK_GROUP));
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + g * CK_GROUP));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + (g + 1) * CK_GROUP));
         __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
@@ -134,6 +148,7 @@ INLINE AVX2 void row_q8_0(const ck_weight *w, i64 row, const ck_act *a, i64 m0, 
     const int8_t *q = (const int8_t *)w->data + row * k;
     const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
     for (; g + 2 <= groups; g += 2) {
+        ahead((const char *)(q + g * CK_GROUP));
         __m256 s0 = _mm256_set1_ps(f16(sc[g])), s1 = _mm256_set1_ps(f16(sc[g + 1]));
         for (int m = 0; m < MC; m++) {
             const float *xm = x + m * a->ldx + g * CK_GROUP;
@@ -172,6 +187,7 @@ INLINE AVX2 void row_q4_1(const ck_weight *w, i64 row, const ck_act *a, i64 m0, 
     const uint16_t *sc = (const uint16_t *)w->scales + row * groups;
     const uint16_t *mn = (const uint16_t *)w->mins + row * groups;
     for (; g + 2 <= groups; g += 2) {
+        ahead((const char *)(q + g * (CK_GROUP / 2)));
         __m256 s0 = _mm256_set1_ps(f16(sc[g])), s1 = _mm256_set1_ps(f16(sc[g + 1]));
         for (int m = 0; m < MC; m++) {
             const float *xm = xp + m * k + g * CK_GROUP;
@@ -230,14 +246,9 @@ INLINE AVX2 __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-static AVX2 void attn(const ck_attn *a, const float *q, const i64 *table, i64 ctx, i64 kv_head, float *out) {
+INLINE AVX2 void attn_head(const ck_attn *a, const float *q, const i64 *table, i64 ctx, i64 kv_head,
+                           float *out, int bf16, int nv) {
     i64 d = a->d, bs = a->bs;
-    if (d % 8 || d > 256 || bs > 512) {
-        ck_generic_isa.attn(a, q, table, ctx, kv_head, out);
-        return;
-    }
-    int bf16 = a->kv_dtype == CK_BF16;
-    int nv = (int)(d / 8);
     __m256 acc[32], qv[32];
     for (int j = 0; j < nv; j++) {
         acc[j] = _mm256_setzero_ps();
@@ -280,6 +291,24 @@ static AVX2 void attn(const ck_attn *a, const float *q, const i64 *table, i64 ct
     }
     __m256 inv = _mm256_set1_ps(1.f / l);
     for (int j = 0; j < nv; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+
+/* A head of 64 (SmolLM2, most small Llamas) gets its own copy with nv and the KV dtype known to
+ * the compiler: its 8 accumulators then stay in registers instead of a stack array that each
+ * context token's FMAs load and store. One thread, 9 heads over 160 tokens of bf16 KV on a Zen 3
+ * VM: ~27 -> ~19 us. */
+static AVX2 void attn(const ck_attn *a, const float *q, const i64 *table, i64 ctx, i64 kv_head, float *out) {
+    if (a->d % 8 || a->d > 256 || a->bs > 512) {
+        ck_generic_isa.attn(a, q, table, ctx, kv_head, out);
+        return;
+    }
+    int bf16 = a->kv_dtype == CK_BF16, nv = (int)(a->d / 8);
+    if (nv == 8 && bf16)
+        attn_head(a, q, table, ctx, kv_head, out, 1, 8);
+    else if (nv == 8)
+        attn_head(a, q, table, ctx, kv_head, out, 0, 8);
+    else
+        attn_head(a, q, table, ctx, kv_head, out, bf16, nv);
 }
 
 const ck_isa ck_avx2_isa = {"avx2", {tile_f32, tile_bf16, tile_q8_0, tile_q4_1}, attn, 0, 1};

@@ -252,14 +252,13 @@ def test_rope_matches_rotate_half(ext: ModuleType, dtype: torch.dtype) -> None:
 
 
 def paged_cache(
-    dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0, bs: int = 4
+    dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0, bs: int = 4, d: int = 64
 ) -> torch.Tensor:
-    """(NB, L=2, 2, BS=bs, H_kv=2, D=64) with ``pad`` elements between blocks (a pool view)."""
-    inner = 2 * 2 * bs * 2 * 64
+    """(NB, L=2, 2, BS=bs, H_kv=2, D=d) with ``pad`` elements between blocks (a pool view)."""
+    inner = 2 * 2 * bs * 2 * d
     flat = torch.randn(num_blocks * (inner + pad), generator=g).to(dtype)
-    return flat.as_strided(
-        (num_blocks, 2, 2, bs, 2, 64), (inner + pad, 2 * bs * 2 * 64, bs * 2 * 64, 128, 64, 1)
-    )
+    strides = (inner + pad, 2 * bs * 2 * d, bs * 2 * d, 2 * d, d, 1)
+    return flat.as_strided((num_blocks, 2, 2, bs, 2, d), strides)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -309,16 +308,17 @@ def check_attention(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: scores hundreds apart, most weights underflow
+@pytest.mark.parametrize("d", [64, 128])  # the AVX2 path has a copy for heads of 64
 def test_paged_attention_reads_blocks_in_place(
-    ext: ModuleType, dtype: torch.dtype, heads: int, q_scale: float
+    ext: ModuleType, dtype: torch.dtype, heads: int, q_scale: float, d: int
 ) -> None:
     g = torch.Generator().manual_seed(7)
-    kv = paged_cache(dtype, g, pad=8)
+    kv = paged_cache(dtype, g, pad=8, d=d)
     kv[0].fill_(float("nan"))  # block 0 is in no table: stale bytes must not leak
     tables = torch.tensor([[7, 3, 9, 1, 6], [2, 11, 5, 0, 0], [4, 0, 0, 0, 0]])  # out of order
     ctx = torch.tensor([17, 9, 1, 10])  # end mid-block; the last row reuses sequence 1
     rows = torch.tensor([0, 1, 2, 1])
-    q = torch.randn(4, heads, 64, generator=g) * q_scale
+    q = torch.randn(4, heads, d, generator=g) * q_scale
     check_attention(ext, q, kv, tables, ctx, rows)
 
 
