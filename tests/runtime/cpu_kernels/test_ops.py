@@ -324,31 +324,33 @@ def test_paged_attention_reads_blocks_in_place(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])
-def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_scale: float) -> None:
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_scale: float, d: int) -> None:
     # SmolLM2's block size: the vector paths turn a block's scores into weights 8 or 16 at a
     # time, with a tail (blocks of 4 above never fill a vector).
     g = torch.Generator().manual_seed(9)
-    kv = paged_cache(dtype, g, num_blocks=8, pad=8, bs=16)
+    kv = paged_cache(dtype, g, num_blocks=8, pad=8, bs=16, d=d)
     tables = torch.tensor([[5, 2, 7, 0], [1, 6, 3, 0]])
     ctx = torch.tensor([41, 16, 9, 48])  # tails of 9 and 1, a whole block, one block of 9, three whole
     rows = torch.tensor([0, 1, 1, 0])
-    q = torch.randn(4, 6, 64, generator=g) * q_scale
+    q = torch.randn(4, 6, d, generator=g) * q_scale
     check_attention(ext, q, kv, tables, ctx, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token", [3, 20])  # among a block's first 16 scores, in a block's tail
-def test_a_nan_in_the_context_is_not_hidden(ext: ModuleType, dtype: torch.dtype, token: int) -> None:
+@pytest.mark.parametrize("d", [64, 128])  # the AVX2 path has a copy for heads of 64
+def test_a_nan_in_the_context_is_not_hidden(ext: ModuleType, dtype: torch.dtype, token: int, d: int) -> None:
     # A vector exp that clamps its input before the polynomial turned a NaN score into a weight
     # of ~0 (AVX2) or ~e^88 (AVX-512): the head's output came out finite, where torch and the
     # portable path give NaN.
     g = torch.Generator().manual_seed(10)
-    kv = paged_cache(dtype, g, num_blocks=4, bs=16)
+    kv = paged_cache(dtype, g, num_blocks=4, bs=16, d=d)
     tables = torch.tensor([[1, 2]])
     kv[tables[0, token // 16], 1, 0, token % 16, 0, 5] = float("nan")  # K of KV head 0
-    q = torch.randn(1, 2, 64, generator=g)  # head 0 reads KV head 0, head 1 KV head 1
+    q = torch.randn(1, 2, d, generator=g)  # head 0 reads KV head 0, head 1 KV head 1
     got = ops.paged_decode_attention(ext, q, kv, 1, tables, torch.tensor([21]), torch.tensor([0]), threads=1)
-    heads = got.reshape(2, 64)
+    heads = got.reshape(2, d)
     assert heads[0].isnan().all()
     assert heads[1].isfinite().all()
 
