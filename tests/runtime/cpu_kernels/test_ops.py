@@ -251,6 +251,11 @@ def test_rope_matches_rotate_half(ext: ModuleType, dtype: torch.dtype) -> None:
         ops.rope(ext, got, torch.tensor([0, 1, 2, 300]), cos, sin)
 
 
+# Head sizes the attention tests run: the AVX2 path has a copy of its kernel for heads of 64
+# (SmolLM2's); every other size takes the general one.
+HEAD_DIMS = [64, 128]
+
+
 def paged_cache(
     dtype: torch.dtype, g: torch.Generator, num_blocks: int = 12, pad: int = 0, bs: int = 4, d: int = 64
 ) -> torch.Tensor:
@@ -308,7 +313,7 @@ def check_attention(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: scores hundreds apart, most weights underflow
-@pytest.mark.parametrize("d", [64, 128])  # the AVX2 path has a copy for heads of 64
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_paged_attention_reads_blocks_in_place(
     ext: ModuleType, dtype: torch.dtype, heads: int, q_scale: float, d: int
 ) -> None:
@@ -324,7 +329,7 @@ def test_paged_attention_reads_blocks_in_place(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_scale: float, d: int) -> None:
     # SmolLM2's block size: the vector paths turn a block's scores into weights 8 or 16 at a
     # time, with a tail (blocks of 4 above never fill a vector).
@@ -339,7 +344,7 @@ def test_paged_attention_in_blocks_of_16(ext: ModuleType, dtype: torch.dtype, q_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token", [3, 20])  # among a block's first 16 scores, in a block's tail
-@pytest.mark.parametrize("d", [64, 128])  # the AVX2 path has a copy for heads of 64
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_a_nan_in_the_context_is_not_hidden(ext: ModuleType, dtype: torch.dtype, token: int, d: int) -> None:
     # A vector exp that clamps its input before the polynomial turned a NaN score into a weight
     # of ~0 (AVX2) or ~e^88 (AVX-512): the head's output came out finite, where torch and the
