@@ -17,6 +17,15 @@ be recorded ready (Redis away too long) is stopped too, so no worker runs that n
 route to. While a launch runs, the process it activates the instance in (``on_target`` of
 :meth:`~scheduler.launcher.BaseLauncher.launch`) is an :class:`EarlyTarget` of the function
 (:meth:`~ColdStarter.targets`), until the launch ends either way.
+
+A started instance pins its model, which the device's report shows only once it is published
+again. That report is not published on the start's path (reading the pool's stats took
+1-12 ms on a 2-core host, on the pool's loop and cores the new instance's first request
+needs): the device is marked unreported (:meth:`~ColdStarter.report`), and the next placement
+on this gateway publishes its reports first if one of its devices is still marked (so a cold
+start of another function within the report interval, ~1 s, pays that report instead).
+Reports run one at a time, and a start that ends while one runs keeps its mark: that report
+may have read the pool before the start's pins.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import NamedTuple
 from scheduler.errors import SchedulerError, StartFailed, StateConflict
 from scheduler.launcher import NO_ROOM, BaseLauncher, StartedInstance
 from scheduler.policies import DeviceState, ModelDemand, place
-from scheduler.records import FunctionRecord
+from scheduler.records import DeviceReport, FunctionRecord
 from scheduler.state import ClusterState, on_loop
 
 log = logging.getLogger("ember.scheduler")
@@ -74,6 +83,11 @@ class ColdStarter:
         self._launching: set[str] = set()  # instance ids whose start this gateway is running
         self._no_room: dict[str, tuple[float, int]] = {}  # name -> (monotonic s, refusals in a row)
         self._targets: dict[str, dict[str, EarlyTarget]] = {}  # name -> instance id -> its process
+        # device -> serial of its latest start since a report of it last began (see report())
+        self._unreported: dict[str, int] = {}
+        self._num_marked = 0  # starts marked so far: the serials
+        # One report at a time: an older report's stats must not land in Redis after a newer one's.
+        self._reporting = asyncio.Lock()
 
     def failure(self, name: str) -> tuple[float, str] | None:
         """When (epoch seconds) and why the last start of ``name`` failed (None once one succeeds)."""
@@ -110,6 +124,27 @@ class ColdStarter:
         if not targets:
             del self._targets[name]
 
+    async def report(self) -> None:
+        """Publish the devices' reports (:meth:`BaseLauncher.report`). A device is reported
+        from then on unless a start ended there while it ran: that start's pins may postdate
+        the stats it read, so its mark stays (a serial per mark tells the two apart)."""
+        async with self._reporting:
+            reporting = dict(self._unreported)
+            await self.launcher.report()
+            for device, serial in reporting.items():
+                if self._unreported.get(device) == serial:
+                    del self._unreported[device]
+
+    async def _reports(self) -> dict[str, DeviceReport]:
+        """The devices' reports, published again first when a start on one of them ended
+        since its last report (the placement must see that instance's pins)."""
+        if self._unreported:
+            try:
+                await self.report()
+            except SchedulerError as exc:  # Redis away: the last reports (a refusal places again)
+                log.warning("placing on the last device reports: publishing them failed: %s", exc)
+        return await on_loop(self.state.device_reports)
+
     def launching(self, instance_id: str) -> bool:
         """Whether this gateway is starting ``instance_id`` now."""
         return instance_id in self._launching
@@ -129,7 +164,7 @@ class ColdStarter:
         model = record.model
         if model is None:
             raise StartFailed("the function's model is not registered yet; deploy it again")
-        reports = await on_loop(self.state.device_reports)
+        reports = await self._reports()
         limit = self.instances_per_device
         live = await asyncio.to_thread(self.live_per_device) if limit else {}
         devices = []
@@ -219,7 +254,7 @@ class ColdStarter:
                 self._failures[name] = (time.time(), str(exc))
             await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
             if no_room:  # the placement read an old report: the waiting requests place again
-                await self.launcher.report()
+                await self.report()
             self._notify(name)
             return
         start_ms = (time.perf_counter() - t0) * 1e3
@@ -245,8 +280,10 @@ class ColdStarter:
             return
         self._failures.pop(name, None)
         self._no_room.pop(name, None)
+        # The next placement must see this instance's pins: it publishes the report first (see
+        # the module docstring), off this start's first request.
+        self._num_marked += 1
+        self._unreported[device] = self._num_marked
         if self.on_start is not None:
             self.on_start(name, started)
         self._notify(name)
-        # The next placement must see this instance's pins (reports are otherwise a second old).
-        await self.launcher.report()

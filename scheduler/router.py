@@ -169,16 +169,19 @@ class Router:
         t0 = time.monotonic()
         asked = time.time() if since is None else since
         self._waiting[name] = self._waiting.get(name, 0) + 1
+        missed = True  # the slot lookup above just missed: the first turn goes on to scale up
         try:
             while True:
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
-                hit = await on_loop(
-                    lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
-                )
-                if hit is not None:
-                    return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
+                if not missed:
+                    hit = await on_loop(
+                        lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
+                    )
+                    if hit is not None:
+                        return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
+                missed = False
                 early = await self._claim_early(name, concurrency)  # a ready slot goes first
                 if early is not None:
                     return early._replace(waited_s=time.monotonic() - t0)
@@ -440,7 +443,7 @@ class Router:
         """Re-publish the devices' pool stats, every ``report_every_s``."""
         if time.monotonic() - self._last_report >= self.config.report_every_s:
             self._last_report = time.monotonic()
-            await self.launcher.report()
+            await self.starter.report()
 
     async def retire(self, name: str) -> None:
         """Drain and stop every instance of ``name`` on this router's devices (after ``delete``
@@ -461,7 +464,7 @@ class Router:
         start of ``name`` ahead of time), not retired."""
         await self.launcher.stop(instance_id, standby)
         await asyncio.to_thread(self.state.forget_from, name, instance_id, "draining")
-        await self.launcher.report()  # residency is unchanged, but pins and sessions are not
+        await self.starter.report()  # residency is unchanged, but pins and sessions are not
 
     # ----- plumbing -------------------------------------------------------------------------
 

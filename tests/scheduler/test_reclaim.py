@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from scheduler.cold_start import ColdStarter
 from scheduler.errors import Rejected
 from scheduler.launcher import NO_ROOM, OnTarget
 from scheduler.records import ModelRef
@@ -52,6 +53,7 @@ class BookkeepingLauncher:
         self.running: dict[str, str] = {}  # instance id -> model id
         self.kv: dict[str, int] = {}  # instance id -> bytes of the KV blocks it holds
         self.launches = 0
+        self.reports = 0
         self.stopped: list[str] = []
 
     def devices(self) -> list[str]:
@@ -102,9 +104,10 @@ class BookkeepingLauncher:
     def owns(self, instance_id: str) -> bool:
         return instance_id in self.running
 
-    async def report(self) -> dict[str, dict[str, Any]]:
+    def record(self) -> dict[str, Any]:
+        """The device report of the books now."""
         pinned = set(self.running.values())
-        record = {
+        return {
             "capacity_bytes": self.capacity,
             "free_bytes": self.free(),
             "evictable_bytes": sum(n for m, n in self.resident.items() if m not in pinned),
@@ -112,6 +115,10 @@ class BookkeepingLauncher:
             "models": dict(self.resident),
             "load_bandwidth": 1e9,
         }
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        self.reports += 1
+        record = self.record()
         self.state.report_device(DEVICE, record)
         return {DEVICE: record}
 
@@ -206,6 +213,111 @@ def test_an_idle_instance_whose_kv_blocks_make_the_room_is_stopped(state: Cluste
 
     asyncio.run(scenario())
     assert launcher.stopped == [idle]
+
+
+def test_a_start_leaves_its_report_to_the_next_placement(state: ClusterState) -> None:
+    """A started instance's pins reach the device report through the next placement, not on
+    the start's path (where reading the pool's stats competed with its first request): that
+    placement sees the model pinned, and no start is refused for room."""
+    deploy(state, "f", 60)
+    deploy(state, "g", 50)
+    launcher = BookkeepingLauncher(state, capacity=100)
+
+    async def scenario() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        reports = launcher.reports
+        route = await router.route("f", state.function("f"), time.time() + 5)
+        while router.starter.launching(route.instance_id):
+            await asyncio.sleep(0.01)
+        assert launcher.reports == reports  # the start published nothing
+        state.release(route.instance_id, 60.0)  # f idles: stopping it makes room for g
+        other = await router.route("g", state.function("g"), time.time() + 5)
+        assert launcher.running[other.instance_id] == "m-g"
+        await router.close()
+
+    asyncio.run(scenario())
+    # Had g's placement read the report from before f started (f resident, unpinned), the pool
+    # would have refused g's first start for room.
+    assert launcher.launches == 2 and launcher.reports > 1
+
+
+class GatedLauncher(BookkeepingLauncher):
+    """A :class:`BookkeepingLauncher` whose launches of a model and whose next report can be
+    held: the report reads the pool's books, then waits before publishing them (as the agent
+    reads the pool's stats, then writes them to Redis)."""
+
+    def __init__(self, state: ClusterState, capacity: int) -> None:
+        super().__init__(state, capacity)
+        self.held_launches: dict[str, asyncio.Event] = {}  # model id -> released when set
+        self.held_report: asyncio.Event | None = None
+        self.report_read = asyncio.Event()
+
+    async def launch(
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
+    ) -> Started:
+        held = self.held_launches.get(model["id"])
+        if held is not None:
+            await held.wait()
+        return await super().launch(instance_id, spec, model, device_id, deadline, on_target)
+
+    async def report(self) -> dict[str, dict[str, Any]]:
+        held, self.held_report = self.held_report, None
+        if held is None:
+            return await super().report()
+        self.reports += 1
+        record = self.record()
+        self.report_read.set()
+        await held.wait()
+        self.state.report_device(DEVICE, record)
+        return {DEVICE: record}
+
+
+@pytest.mark.parametrize("second_placement", [False, True])
+def test_a_start_ending_during_a_report_stays_marked(state: ClusterState, second_placement: bool) -> None:
+    """f started (its device marked); a placement's report reads the pool, then g's start ends
+    before that report is published, so it lacks g's pins. The next placement must not trust
+    it: k (60 of 100 bytes, with f and g pinning 30 each) has no room. ``second_placement``:
+    another placement reports while the first is still publishing (its write must not be
+    overtaken by the older one's)."""
+    deploy(state, "f", 30)
+    deploy(state, "g", 30)
+    deploy(state, "k", 60)
+    launcher = GatedLauncher(state, capacity=100)
+
+    async def scenario() -> None:
+        starter = ColdStarter(state, launcher, 5.0, lambda name: None)
+        await launcher.report()
+        deadline = time.time() + 30
+        f_id = state.scale_up("f", 1, DEVICE)
+        assert f_id is not None
+        await starter.start(f_id, "f", state.function("f"), DEVICE, deadline)
+        launcher.held_launches["m-g"] = asyncio.Event()
+        g_id = state.scale_up("g", 1, DEVICE)
+        assert g_id is not None
+        g_start = asyncio.create_task(starter.start(g_id, "g", state.function("g"), DEVICE, deadline))
+        launcher.held_report = published = asyncio.Event()
+        first = asyncio.create_task(starter.place(state.function("f")))
+        await launcher.report_read.wait()  # its stats are read: g pins nothing yet
+        launcher.held_launches["m-g"].set()
+        await g_start
+        second = asyncio.create_task(starter.place(state.function("f"))) if second_placement else None
+        await asyncio.sleep(0.05)
+        published.set()
+        await first
+        if second is not None:
+            await second
+        assert {"m-f", "m-g"} <= set(launcher.running.values())
+        device, _ = await starter.place(state.function("k"))
+        assert device is None  # f and g pin 60 of 100 bytes: k's 60 fit nowhere
+
+    asyncio.run(scenario())
 
 
 def test_a_pool_refusing_for_room_is_tried_with_growing_pauses(state: ClusterState) -> None:
