@@ -43,7 +43,9 @@ class Started:
 class BookkeepingLauncher:
     """One device whose pool holds ``capacity`` bytes (see the module docstring); with
     ``refuse``, the pool refuses every start for room whatever its report says (free space
-    cut into pieces)."""
+    cut into pieces). Launches of a model in ``held_launches`` wait for its event; with
+    ``held_report``, the next report reads the books, sets ``report_read`` and waits for that
+    event before publishing them (as the agent reads the pool's stats, then writes to Redis)."""
 
     def __init__(self, state: ClusterState, capacity: int, refuse: bool = False) -> None:
         self.state = state
@@ -55,6 +57,9 @@ class BookkeepingLauncher:
         self.launches = 0
         self.reports = 0
         self.stopped: list[str] = []
+        self.held_launches: dict[str, asyncio.Event] = {}  # model id -> released when set
+        self.held_report: asyncio.Event | None = None
+        self.report_read = asyncio.Event()
 
     def devices(self) -> list[str]:
         return [DEVICE]
@@ -84,6 +89,9 @@ class BookkeepingLauncher:
         deadline: float,
         on_target: OnTarget | None = None,
     ) -> Started:
+        held = self.held_launches.get(model["id"])
+        if held is not None:
+            await held.wait()
         self.launches += 1
         if self.refuse or not self._make_room(model["id"], model["weight_bytes"]):
             raise NoRoomError(f"no room for {model['id']}")
@@ -119,6 +127,10 @@ class BookkeepingLauncher:
     async def report(self) -> dict[str, dict[str, Any]]:
         self.reports += 1
         record = self.record()
+        held, self.held_report = self.held_report, None
+        if held is not None:
+            self.report_read.set()
+            await held.wait()
         self.state.report_device(DEVICE, record)
         return {DEVICE: record}
 
@@ -242,43 +254,6 @@ def test_a_start_leaves_its_report_to_the_next_placement(state: ClusterState) ->
     assert launcher.launches == 2 and launcher.reports > 1
 
 
-class GatedLauncher(BookkeepingLauncher):
-    """A :class:`BookkeepingLauncher` whose launches of a model and whose next report can be
-    held: the report reads the pool's books, then waits before publishing them (as the agent
-    reads the pool's stats, then writes them to Redis)."""
-
-    def __init__(self, state: ClusterState, capacity: int) -> None:
-        super().__init__(state, capacity)
-        self.held_launches: dict[str, asyncio.Event] = {}  # model id -> released when set
-        self.held_report: asyncio.Event | None = None
-        self.report_read = asyncio.Event()
-
-    async def launch(
-        self,
-        instance_id: str,
-        spec: dict[str, Any],
-        model: dict[str, Any],
-        device_id: str,
-        deadline: float,
-        on_target: OnTarget | None = None,
-    ) -> Started:
-        held = self.held_launches.get(model["id"])
-        if held is not None:
-            await held.wait()
-        return await super().launch(instance_id, spec, model, device_id, deadline, on_target)
-
-    async def report(self) -> dict[str, dict[str, Any]]:
-        held, self.held_report = self.held_report, None
-        if held is None:
-            return await super().report()
-        self.reports += 1
-        record = self.record()
-        self.report_read.set()
-        await held.wait()
-        self.state.report_device(DEVICE, record)
-        return {DEVICE: record}
-
-
 @pytest.mark.parametrize("second_placement", [False, True])
 def test_a_start_ending_during_a_report_stays_marked(state: ClusterState, second_placement: bool) -> None:
     """f started (its device marked); a placement's report reads the pool, then g's start ends
@@ -289,7 +264,7 @@ def test_a_start_ending_during_a_report_stays_marked(state: ClusterState, second
     deploy(state, "f", 30)
     deploy(state, "g", 30)
     deploy(state, "k", 60)
-    launcher = GatedLauncher(state, capacity=100)
+    launcher = BookkeepingLauncher(state, capacity=100)
 
     async def scenario() -> None:
         starter = ColdStarter(state, launcher, 5.0, lambda name: None)
