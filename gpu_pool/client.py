@@ -13,6 +13,7 @@ are the arena, as before. :meth:`PoolClient.watch` tells a worker when its pool 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -21,7 +22,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena import mapping
@@ -36,7 +37,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ember.pool.client")
 
-__all__ = ["AcquireReport", "KVBlocks", "MappedArena", "PoolClient", "Readiness", "RemotePoolError", "premap"]
+__all__ = [
+    "AcquireReport",
+    "KVBlocks",
+    "MappedArena",
+    "PoolClient",
+    "PrefixPrefetch",
+    "Readiness",
+    "RemotePoolError",
+    "premap",
+]
 
 
 class RemotePoolError(PoolError):
@@ -59,11 +69,22 @@ class RemotePoolError(PoolError):
 @dataclass(frozen=True, slots=True)
 class KVBlocks:
     """KV blocks granted to this session: ids and offsets, all ``block_bytes`` long. Offsets
-    are arena offsets (the pool's accounting) and index :meth:`PoolClient.kv_arena`."""
+    are arena offsets (the pool's accounting) and index :meth:`PoolClient.kv_arena`.
+    ``prefix_hashes``: the first blocks hold published prefix KV with these chained hashes, in
+    order (an acquire's prefix prefetch, :meth:`PoolClient.acquire_async`)."""
 
     block_ids: tuple[int, ...]
     offsets: tuple[int, ...]
     block_bytes: int
+    prefix_hashes: tuple[bytes, ...] = ()
+
+
+class PrefixPrefetch(NamedTuple):
+    """What prefix KV an acquire may bring (see ``gpu_pool.wire.messages.PrefixPrefetch``)."""
+
+    model_id: str
+    layout: str
+    max_blocks: int
 
 
 @dataclass(frozen=True)
@@ -221,10 +242,37 @@ class PoolClient:
         the engine then allocates on demand); an acquire that fails raises and allocates nothing."""
         kv = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
         reply, fds = self._request("acquire", manifest_bin=manifest.encoded(), kv=kv)
+        return self._with_kv(reply, fds, asked=True)
+
+    async def acquire_async(
+        self,
+        manifest: Manifest,
+        num_blocks: int = 0,
+        block_bytes: int = 0,
+        prefix: PrefixPrefetch | None = None,
+    ) -> tuple[dict[str, int], KVBlocks | None]:
+        """:meth:`acquire_with_kv` (:meth:`acquire_placements` when ``num_blocks`` is 0) that
+        leaves the event loop free while the daemon works (:meth:`_request_async`): a worker
+        activating reads the requests sent ahead of the activation meanwhile. With ``prefix``
+        (and blocks), the first blocks come filled with the prefix KV the session's scope most
+        recently restored from a first block (``KVBlocks.prefix_hashes``)."""
+        fields: dict[str, Any] = {"manifest_bin": manifest.encoded()}
+        if num_blocks:
+            fields["kv"] = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
+            if prefix is not None:
+                fields["kv"]["prefix"] = prefix._asdict()
+        reply, fds = await self._request_async("acquire", **fields)
+        return self._with_kv(reply, fds, asked=num_blocks > 0)
+
+    def _with_kv(
+        self, reply: dict[str, Any], fds: list[int], asked: bool
+    ) -> tuple[dict[str, int], KVBlocks | None]:
+        """The placements and the blocks of an acquire's ``reply`` (``fds``: sent after it);
+        ``asked``: whether the acquire asked for blocks (a refusal of them is logged)."""
         blocks = self._kv_blocks(reply.get("kv"), fds)
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))
         placements: dict[str, int] = reply["placements"]
-        if blocks is None:
+        if blocks is None and asked:
             failed = reply.get("kv_error") or {}
             if ERRORS_BY_CODE.get(str(failed.get("type"))) not in (OutOfMemory, KVQuotaExceeded):
                 log.warning("the pool granted no KV blocks with the acquire: %s", failed.get("message"))
@@ -257,15 +305,21 @@ class PoolClient:
         """Views into the arena of ``manifest``'s tensors at ``placements`` (from an acquire)."""
         return self._arena_views().many(manifest.tensors, placements)
 
-    def release(self) -> None:
-        """Unpin everything this session acquired and free its KV blocks; tensors stay resident."""
-        self._call("release")
+    def release(self, keep_kv: bool = False) -> None:
+        """Unpin everything this session acquired and free its KV blocks (``keep_kv``: all but
+        those); tensors stay resident."""
+        self._call("release", **({"keep_kv": True} if keep_kv else {}))
 
-    def kv_alloc(self, num_blocks: int, block_bytes: int, aligned: bool = False) -> KVBlocks:
+    def kv_alloc(
+        self, num_blocks: int, block_bytes: int, aligned: bool = False, prefix: PrefixPrefetch | None = None
+    ) -> KVBlocks:
         """Allocate ``num_blocks`` KV blocks of at least ``block_bytes`` each (``aligned``: each
-        at a multiple of the block size, so ``offset // block_bytes`` numbers it)."""
+        at a multiple of the block size, so ``offset // block_bytes`` numbers it). With
+        ``prefix``, the first come filled with the prefix KV the session's scope most recently
+        restored from a first block (``KVBlocks.prefix_hashes``)."""
+        fields: dict[str, Any] = {"prefix": prefix._asdict()} if prefix is not None else {}
         reply, fds = self._request(
-            "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned
+            "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned, **fields
         )
         blocks = self._kv_blocks(reply, fds)
         if blocks is None:
@@ -282,7 +336,12 @@ class PoolClient:
             self._fds["kv"] = fds[0]
         if granted is None:
             return None
-        return KVBlocks(tuple(granted["block_ids"]), tuple(granted["offsets"]), granted["block_bytes"])
+        hashes = tuple(granted.get("prefix_hashes", ()))
+        if not all(isinstance(h, bytes) for h in hashes) or len(hashes) > len(granted["block_ids"]):
+            raise ProtocolError("an acquire's prefix hashes must be byte strings, one per block at most")
+        return KVBlocks(
+            tuple(granted["block_ids"]), tuple(granted["offsets"]), granted["block_bytes"], hashes
+        )
 
     def kv_free(self, block_ids: list[int] | tuple[int, ...]) -> int:
         """Return KV blocks to the pool; returns how many were freed."""
@@ -313,11 +372,21 @@ class PoolClient:
         published: int = reply["published"]
         return published
 
-    def kv_restore(self, model_id: str, layout: str, hashes: list[bytes], block_ids: list[int]) -> int:
+    def kv_restore(
+        self, model_id: str, layout: str, hashes: list[bytes], block_ids: list[int], first: bool = False
+    ) -> int:
         """Fill this session's blocks ``block_ids`` with the published KV of the longest run of
-        ``hashes`` from the first; returns how many blocks were filled."""
+        ``hashes`` from the first; returns how many blocks were filled. ``first``: the hashes
+        are a prompt's from its first block on, which the pool remembers as its scope's most
+        recent prefix (a new instance's :meth:`acquire_async` may come with it)."""
+        fields: dict[str, Any] = {"first": True} if first else {}
         reply = self._call(
-            "kv_restore", model_id=model_id, layout=layout, hashes=list(hashes), block_ids=list(block_ids)
+            "kv_restore",
+            model_id=model_id,
+            layout=layout,
+            hashes=list(hashes),
+            block_ids=list(block_ids),
+            **fields,
         )
         restored: int = reply["restored"]
         return restored
@@ -404,22 +473,62 @@ class PoolClient:
     def _request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """One request; the reply and the descriptors sent after it (see gpu_pool.wire.fdpass)."""
         request_id = next(self._ids)
-        fds: list[int] = []
         try:
             send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
-            reply = decode_reply(recv_frame(self._sock))
-            if reply.get("id") != request_id:
-                raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
-            if reply.get("fds"):
-                fds = fdpass.recv_fds(self._sock, reply["fds"])
+            reply, fds = self._receive(request_id)
         except (OSError, ProtocolError):
-            # A late reply would answer the next call: this session cannot be trusted any more.
-            # Closing it makes the daemon release everything the session held.
-            self._stop_watch()
-            self._sock.close()
+            self._abandon()
             raise
+        return self._checked(reply, fds)
+
+    async def _request_async(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        """:meth:`_request` that waits for the reply on the running event loop instead of in a
+        blocking read: the request (a few KiB at most) is sent at once, and the reply is read
+        when the socket turns readable (the daemon writes a reply whole, the descriptors right
+        after it). Cancelled or past the session's timeout, the session is closed, as after
+        any failed exchange."""
+        loop = asyncio.get_running_loop()
+        request_id = next(self._ids)
+        fd = self._sock.fileno()
+        readable: asyncio.Future[None] = loop.create_future()
+        try:
+            send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
+            loop.add_reader(fd, _set_once, readable)
+            try:
+                async with asyncio.timeout(self._sock.gettimeout()):
+                    await readable
+            finally:
+                loop.remove_reader(fd)
+            reply, fds = self._receive(request_id)
+        except (OSError, ProtocolError, TimeoutError, asyncio.CancelledError):
+            self._abandon()
+            raise
+        return self._checked(reply, fds)
+
+    def _receive(self, request_id: int) -> tuple[dict[str, Any], list[int]]:
+        reply = decode_reply(recv_frame(self._sock))
+        if reply.get("id") != request_id:
+            raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {request_id}")
+        fds = fdpass.recv_fds(self._sock, reply["fds"]) if reply.get("fds") else []
+        return reply, fds
+
+    def _abandon(self) -> None:
+        # A late reply would answer the next call: this session cannot be trusted any more.
+        # Closing it makes the daemon release everything the session held.
+        self._stop_watch()
+        self._sock.close()
+
+    @staticmethod
+    def _checked(reply: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """The reply and its descriptors, or the daemon's error raised."""
         if not reply.get("ok"):
             err = reply.get("error") or {}
             details = {k: v for k, v in err.items() if k not in ("type", "message")}
             raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
         return reply, fds
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    """A reader callback (level-triggered: it runs until removed) that resolves ``future`` once."""
+    if not future.done():
+        future.set_result(None)

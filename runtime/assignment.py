@@ -8,11 +8,12 @@ runs its initializer.
 A *standby* is a pre-warmed worker the agent prepared for one function after that function's
 instance ended (:mod:`runtime.standby_pool`): :func:`prepare` does every step of an assign
 that needs no instance — the sandbox layer, the template, the pool session (its ticket's KV
-quota), the weights' views, the engine, the handler's import — and then releases the weights.
-A standby pins nothing: its model stays an inactive resident the pool may evict or move like
-any other. :func:`activate` finishes the start when the assign comes: one acquire in the
-same session, and the engine is kept when the pool returns the same placements (the views
-point at the same bytes, now pinned) or rebuilt on the new ones. The handler's initializer
+quota), the weights' views, the engine, its first KV blocks (with the function's most recent
+prompt prefix in them), the handler's import — and then releases the weights. A standby pins
+no weights: its model stays an inactive resident the pool may evict or move like any other.
+:func:`activate` finishes the start when the assign comes: one acquire in the same session,
+and the engine is kept when the pool returns the same placements (the views point at the
+same bytes, now pinned) or rebuilt on the new ones. The handler's initializer
 runs at activation, as in an assign, and the activation reports the acquire it made, so a
 start from a standby is accounted like any other (bytes loaded, bytes reused).
 """
@@ -36,10 +37,16 @@ from runtime.process import set_idle_priority
 from runtime.sdk import LLM, HandlerRunner, load_handler
 
 if TYPE_CHECKING:
+    from gpu_pool.client import PrefixPrefetch
     from runtime.function_sandbox import FunctionSandbox
     from runtime.sdk.handler import LoadedHandler
 
 DEFAULT_HANDLER = "default"
+# The most prefix KV an activation asks the pool for with its weights (bytes). It is a guess
+# (the prefix the function's last new instance restored first): a right one saves the first
+# request's restore round trip (~1-2 ms on a 2-core host), a wrong one costs the copy (~0.3 ms
+# per MiB into fresh pages there), so it stays a few MiB: 11 blocks of SmolLM2-135M (176 tokens).
+PREFIX_PREFETCH_BYTES = 4 << 20
 
 log = logging.getLogger("ember.worker")
 
@@ -223,7 +230,11 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             # come. The pool fails it with NotResident instead.
             placements = client.acquire_placements(template.manifest, access=False)
             binding = bind_at(template, client, placements, message.max_tokens, message.kv_quota_bytes)
-            client.release()  # pins nothing while it waits: the pool may evict or move the model
+            if handler is None:
+                _hold_first_kv(binding, client)
+            # It pins no weights while it waits: the pool may evict or move the model. It keeps
+            # its first KV blocks (a few MiB; the session's own, like a running instance's).
+            client.release(keep_kv=True)
             return binding, client, placements
         except BaseException:
             client.close()
@@ -235,16 +246,54 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
     return standby, StandbyReply(timings)
 
 
-def _acquire(binding: ModelBinding, client: Any, prefetch_kv: bool) -> tuple[dict[str, int], Any]:
+def _prefix_prefetch(source: PoolBlockSource) -> PrefixPrefetch | None:
+    """What prefix KV to ask the pool for with an engine's first blocks (None: it shares none)."""
+    from gpu_pool.client import PrefixPrefetch
+
+    if source.prefix_model is None:
+        return None
+    return PrefixPrefetch(
+        source.prefix_model, source.layout, max(1, PREFIX_PREFETCH_BYTES // source.block_bytes)
+    )
+
+
+def _hold_first_kv(binding: ModelBinding, client: Any) -> None:
+    """A standby's engine takes its first KV blocks now, the first ones filled with the prefix
+    its function's last new instance restored from a first block: the activation then needs
+    neither a block allocation nor a prefix copy, and the first request no restore round trip.
+    Without room (or quota) for them the activation asks again."""
+    from gpu_pool.client import RemotePoolError
+    from gpu_pool.errors import KVQuotaExceeded, OutOfMemory
+
+    engine = binding.engine
+    source = engine.blocks.source
+    num_blocks = engine.kv_prefetch()
+    if num_blocks == 0 or not isinstance(source, PoolBlockSource):
+        return
+    try:
+        kv = client.kv_alloc(num_blocks, source.block_bytes, aligned=True, prefix=_prefix_prefetch(source))
+    except RemotePoolError as exc:
+        if exc.kind in (OutOfMemory, KVQuotaExceeded):
+            return
+        raise
+    engine.adopt_kv(source.adopt(kv), kv.prefix_hashes)
+
+
+async def _acquire(binding: ModelBinding, client: Any, prefetch_kv: bool) -> tuple[dict[str, int], Any]:
     """Pin the standby's model; with ``prefetch_kv``, the engine's first KV blocks (what
     :meth:`Engine.scale_kv` would fetch after the activation, another round trip before the
-    first request's prefill) come in the same round trip. Returns the placements and the
-    blocks (a ``KVBlocks``, or None: none asked for, or the pool had no room for them)."""
-    manifest, source = binding.template.manifest, binding.engine.blocks.source
+    first request's prefill) come in the same round trip, and with them, when the engine
+    shares prefixes, up to :data:`PREFIX_PREFETCH_BYTES` of the prefix the function's last new
+    instance restored first (its first request would restore it: another round trip). Returns
+    the placements and the blocks (a ``KVBlocks``, or None: none asked for, or no room). A
+    standby holds its first blocks already (:func:`_hold_first_kv`): then it asks for none."""
+    source = binding.engine.blocks.source
     num_blocks = binding.engine.kv_prefetch() if prefetch_kv else 0
     if num_blocks == 0 or not isinstance(source, PoolBlockSource):
-        return client.acquire_placements(manifest), None
-    return client.acquire_with_kv(manifest, num_blocks, source.block_bytes)  # type: ignore[no-any-return]
+        return await client.acquire_async(binding.template.manifest)  # type: ignore[no-any-return]
+    return await client.acquire_async(  # type: ignore[no-any-return]
+        binding.template.manifest, num_blocks, source.block_bytes, _prefix_prefetch(source)
+    )
 
 
 async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment, AssignReply]:
@@ -257,10 +306,10 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
     _threads(message.num_threads)
     binding, client = standby.binding, standby.client
     try:
-        # On the loop: the pool's round trip costs less than a thread hop, and the requests
-        # sent ahead of the activation (runtime.early_requests) wait for it anyway (measured:
-        # in a thread, the acquire took 0.3-0.5 ms longer and nothing ended sooner).
-        placements, kv = _acquire(binding, client, prefetch_kv=standby.handler is None)
+        # Awaited on the loop, not in a thread (a thread's wake-up and the GIL cost more than
+        # the round trip): meanwhile the loop reads the requests sent ahead of the activation
+        # (runtime.early_requests), which then wait for it.
+        placements, kv = await _acquire(binding, client, prefetch_kv=standby.handler is None)
         timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
         if placements != standby.placements:  # evicted or moved meanwhile: views on the new places
             binding.engine.close()
@@ -271,7 +320,7 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
         if kv is not None:
             source = binding.engine.blocks.source
             assert isinstance(source, PoolBlockSource)
-            binding.engine.adopt_kv(source.adopt(kv))
+            binding.engine.adopt_kv(source.adopt(kv), kv.prefix_hashes)
         # LoRA adapters are dynamic (session-private): the standby held none, the instance
         # acquires its own now, beside the shared base.
         binding.attach_adapters(client, load_adapters(tuple(message.adapters.items())))

@@ -262,6 +262,10 @@ def build_app(state: WorkerState) -> FastAPI:
                     state.early.refuse()
                 raise
             state.schedule_tokens(message)
+            # The requests held for this activation go first (one loop turn): this reply is not
+            # on their path, only on the agent's way to recording the instance ready.
+            state.early.ended()
+            await asyncio.sleep(0)
             # The KV blocks a first request would fetch from the pool (a round trip on its path,
             # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
             # for a custom handler: it may never run the model, and would hold them for nothing.

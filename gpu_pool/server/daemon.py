@@ -59,8 +59,8 @@ from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, align_up
 from gpu_pool.server import progressive
 from gpu_pool.server.access import AccessControl, Session
 from gpu_pool.server.hardening import make_undumpable
+from gpu_pool.server.kv_copy import KVCopier
 from gpu_pool.server.manifest_cache import ManifestCache
-from gpu_pool.server.prefix_kv import BlockCopy
 from gpu_pool.server.reuse_store import AcquireResult, KVBlock, PendingAcquire, ReuseStore, StoreConfig
 from gpu_pool.store.trust import StoreTrust
 from gpu_pool.wire import fdpass, messages
@@ -75,11 +75,6 @@ from gpu_pool.wire.protocol import (
 
 log = logging.getLogger("ember.pool")
 Reply = tuple[dict[str, Any], list[int]]  # reply fields, descriptors sent after it (SCM_RIGHTS)
-# Prefix KV copies up to this many bytes run on a CPU pool's event loop (they hold it for at most
-# ~0.4 ms); larger ones, and a CUDA pool's, go to a thread. A restore is on a cold start's first
-# request, and the thread hop cost more than the copy: two SmolLM2 blocks (720 KiB, into fresh KV
-# pages) copy in 0.27 ms, and the restore's round trip went from 1.32 to 0.72 ms median here.
-INLINE_COPY_BYTES = 1 << 20
 _MAX_REPLANS = 3  # an acquire whose shared tensors' loads by other sessions failed plans again
 
 
@@ -134,6 +129,7 @@ class PoolDaemon:
         self._access = AccessControl(config.admin_token, config.default_session_kv_quota, config.max_tickets)
         # CPU pools give each session its own KV pages; on CUDA, KV blocks stay in the arena.
         self._private_kv = self.arena.share_fd() is not None
+        self._kv_copier = KVCopier(self.arena, self._private_kv)
         # Progressive acquires (gpu_pool.server.progressive): session -> its load task, cancel flag.
         self._progressive: dict[str, tuple[asyncio.Task[None], threading.Event]] = {}
         self._transient_fds: set[int] = set()  # descriptors to close once their reply is sent
@@ -438,8 +434,8 @@ class PoolDaemon:
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:
         await self._finish_progressive(session.session_id, cancel=True)
         async with self._lock:
-            blocks = self._kv_ranges(self.store.sessions[session.session_id].kv)
-            self.store.release(session.session_id)
+            blocks = [] if request.keep_kv else self._kv_ranges(self.store.sessions[session.session_id].kv)
+            self.store.release(session.session_id, request.keep_kv)
             self._punch(session, blocks)
         return {}, []
 
@@ -461,12 +457,17 @@ class PoolDaemon:
             self._access.check_kv_quota(session, used, needed)
             fds = self._kv_fds(session)  # before allocating: a failure here leaks no blocks
             alloc = self.store.kv_alloc(session.session_id, request.num_blocks, size, request.aligned)
-        return {
-            "block_ids": list(alloc.block_ids),
-            "offsets": list(alloc.offsets),
-            "block_bytes": alloc.block_bytes,
-            "bytes_evicted": alloc.bytes_evicted,
-        }, fds
+            granted: dict[str, Any] = {
+                "block_ids": list(alloc.block_ids),
+                "offsets": list(alloc.offsets),
+                "block_bytes": alloc.block_bytes,
+                "bytes_evicted": alloc.bytes_evicted,
+            }
+            if request.prefix is not None:
+                granted["prefix_hashes"] = await self._fill_prefix(
+                    session, granted["block_ids"], request.prefix
+                )
+        return granted, fds
 
     async def _on_kv_free(self, session: Session, request: messages.KVFree) -> Reply:
         async with self._lock:
@@ -495,7 +496,7 @@ class PoolDaemon:
                 list(request.hashes), list(request.block_ids), request.recompute_s,
             )  # fmt: skip
             try:
-                await self._copy(session, copies, True)
+                await self._kv_copier.copy(session.kv, copies, True)
             except BaseException:
                 self.store.prefix.forget([c.key for c in copies])  # no block with half its bytes
                 raise
@@ -509,28 +510,39 @@ class PoolDaemon:
                 state, session.prefix_scope, request.model_id, request.layout,
                 list(request.hashes), list(request.block_ids),
             )  # fmt: skip
-            await self._copy(session, copies, False)
+            if request.first:  # a checked caller (restore raised otherwise)
+                self.store.prefix.remember(
+                    session.prefix_scope, request.model_id, request.layout, list(request.hashes)
+                )
+            await self._kv_copier.copy(session.kv, copies, False)
         return {"restored": len(copies)}, []
 
-    async def _copy(self, session: Session, copies: list[BlockCopy], publish: bool) -> None:
-        """:meth:`_copy_blocks`, inline when small (:data:`INLINE_COPY_BYTES`) on a CPU pool, else
-        in a thread (a device copy may wait for the device: never on the loop)."""
-        if self._private_kv and sum(c.size for c in copies) <= INLINE_COPY_BYTES:
-            self._copy_blocks(session, copies, publish)
-        else:
-            await asyncio.to_thread(self._copy_blocks, session, copies, publish)
-
-    def _copy_blocks(self, session: Session, copies: list[BlockCopy], publish: bool) -> None:
-        """Session KV -> arena (``publish``) or back; on CUDA the KV blocks are the arena's own."""
-        for c in copies:
-            if not self._private_kv:
-                self.arena.move(c.dst, c.src, c.size)
-            elif session.kv is None:
-                raise PoolError("the session has no KV memory")
-            elif publish:
-                self.arena.copy_from_fd(session.kv.fd, c.src, c.dst, c.size)
-            else:
-                self.arena.copy_to_fd(session.kv.fd, c.dst, c.src, c.size)
+    async def _fill_prefix(
+        self, session: Session, block_ids: list[int], prefix: messages.PrefixPrefetch
+    ) -> list[bytes]:
+        """Fill the first of the session's new ``block_ids`` with its scope's most recent prefix
+        (``messages.KVAlloc``); the hashes of those filled. Under the lock, over the copies (as
+        kv_restore: nothing may move those regions). An offer: nothing without a scope, a
+        published prefix of a model the session acquired, or when the copy fails (the blocks
+        are granted still, unfilled)."""
+        try:
+            self._access.require_prefix_scope(session, "kv_alloc")
+        except PoolError:
+            return []
+        index, scope = self.store.prefix, session.prefix_scope
+        hashes = index.recent(scope, prefix.model_id, prefix.layout, min(prefix.max_blocks, len(block_ids)))
+        if not hashes:
+            return []
+        state = self.store.sessions[session.session_id]
+        try:  # (Forbidden: a model this session has not acquired)
+            copies = index.restore(
+                state, scope, prefix.model_id, prefix.layout, list(hashes), block_ids[: len(hashes)]
+            )
+            await self._kv_copier.copy(session.kv, copies, False)
+        except (PoolError, OSError) as exc:
+            log.warning("kv_alloc: no prefix KV in the blocks: %s", exc)
+            return []
+        return list(hashes[: len(copies)])
 
     # ----- per-session KV pages (gpu_pool.arena.kv_memory) ----------------------------------------------
 

@@ -16,6 +16,12 @@ publisher must not make its blocks stickier than weights by overstating their co
 are further bounded in total (``PoolConfig.prefix_bytes``); past the bound the least recently used
 published blocks go first.
 
+A new instance's acquire may come with the prefix its function's last new instance asked for
+first (:meth:`PrefixIndex.remember`, :meth:`PrefixIndex.recent`): its first request then
+finds it in its own blocks, without a ``kv_restore`` round trip on its path. That is a guess
+(a function with one system prompt is the case it is for); a wrong one costs a copy and
+blocks the engine reuses like any cached ones.
+
 Who shares with whom: the scope is the session's (a ticket's ``prefix_scope``, given by the agent
 per function), never the client's say, so a worker can neither read timing hints from nor plant
 KV into another function's prefixes; a session may only publish or restore for a model it has
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -39,6 +46,10 @@ if TYPE_CHECKING:
 PREFIX_KEY = "kvp/"  # store keys of published blocks start with it (fingerprints are hex)
 PREFIX_COST_RATIO = 0.5  # a prefix byte costs at most this share of a weight byte of its model
 HASH_BYTES = 16
+# Remembered prefixes (:meth:`PrefixIndex.remember`): one per (scope, model, layout), the least
+# recently remembered dropped past this many, each at most RECENT_BLOCKS blocks long.
+MAX_RECENT = 4096
+RECENT_BLOCKS = 4096
 
 
 class BlockCopy(NamedTuple):
@@ -69,6 +80,7 @@ class PrefixIndex:
         self.max_bytes = max_bytes
         self.meta: dict[str, PrefixMeta] = {}  # store key -> its model (pruned lazily)
         self.bandwidth: dict[str, float] = {}  # model id -> bytes per second of stated recompute
+        self._recent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # namespace -> hashes
 
     @staticmethod
     def namespace(scope: str, model_id: str, layout: str) -> str:
@@ -180,6 +192,25 @@ class PrefixIndex:
             copies.append(BlockCopy(rec.offset, store.kv_blocks[b].offset, size, key))
         store.counters.update(prefix_blocks_restored=len(copies), prefix_restores=1)
         return copies
+
+    def remember(self, scope: str, model_id: str, layout: str, hashes: list[bytes]) -> None:
+        """``hashes`` (a prompt's, from its first block) are the scope's most recent prefix."""
+        space = self.namespace(scope, model_id, layout)
+        self._recent[space] = tuple(hashes[:RECENT_BLOCKS])
+        self._recent.move_to_end(space)
+        while len(self._recent) > MAX_RECENT:
+            self._recent.popitem(last=False)
+
+    def recent(self, scope: str, model_id: str, layout: str, max_blocks: int) -> tuple[bytes, ...]:
+        """The scope's most recent prefix (:meth:`remember`): its first blocks still published,
+        at most ``max_blocks``."""
+        space = self.namespace(scope, model_id, layout)
+        run = []
+        for h in self._recent.get(space, ())[:max_blocks]:
+            if self.key(space, h) not in self.store.tensors:
+                break
+            run.append(h)
+        return tuple(run)
 
     def forget(self, keys: list[str]) -> None:
         """Drop published blocks whose bytes could not be copied in."""

@@ -367,8 +367,9 @@ class ReuseStore:
             move_seconds=pending.move_seconds,
         )
 
-    def release(self, session_id: str) -> None:
-        """Unpin everything the session pinned and free its KV blocks and private tensors."""
+    def release(self, session_id: str, keep_kv: bool = False) -> None:
+        """Unpin everything the session pinned and free its private tensors and (unless
+        ``keep_kv``) its KV blocks."""
         session = self._session(session_id)
         now = self.clock()
         for key in session.pins:
@@ -380,6 +381,8 @@ class ReuseStore:
         for key in session.private:
             self.tensors.pop(key, None)
         session.private.clear()
+        if keep_kv:
+            return
         for block_id in session.kv:
             del self.kv_blocks[block_id]
         session.kv.clear()

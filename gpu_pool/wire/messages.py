@@ -135,13 +135,39 @@ class Acquire(Request):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixPrefetch:
+    """The prefix KV a ``kv_alloc``'s blocks come filled with: ``model_id``'s in ``layout``, at
+    most ``max_blocks`` blocks of it."""
+
+    model_id: str
+    layout: str
+    max_blocks: int
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> PrefixPrefetch:
+        model_id = _opt_str(msg, "kv_alloc", "model_id", MAX_MODEL_ID_CHARS)
+        layout = _opt_str(msg, "kv_alloc", "layout", MAX_LAYOUT_CHARS)
+        if model_id is None or layout is None:
+            raise ProtocolError("kv_alloc: 'prefix' needs 'model_id' and 'layout': strings")
+        if "/" in layout:
+            raise InvalidArgument("kv_alloc: 'layout' must not contain '/'", "layout")
+        return cls(model_id, layout, _int(msg, "kv_alloc", "max_blocks", 1, MAX_PREFIX_BLOCKS))
+
+
+@dataclass(frozen=True, slots=True)
 class KVAlloc(Request):
-    """Allocate ``num_blocks`` blocks of ``block_bytes`` (bounded by the arena by the daemon)."""
+    """Allocate ``num_blocks`` blocks of ``block_bytes`` (bounded by the arena by the daemon).
+
+    ``prefix`` (:class:`PrefixPrefetch`) fills the first blocks with the published prefix KV the
+    session's scope most recently asked for from a first block (:class:`KVRestore`): the
+    reply's ``prefix_hashes`` are their hashes, one per block from the first. A new instance's
+    first request then finds its prompt's prefix without a ``kv_restore`` round trip."""
 
     op: ClassVar[str] = "kv_alloc"
     num_blocks: int
     block_bytes: int
     aligned: bool
+    prefix: PrefixPrefetch | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> KVAlloc:
@@ -150,7 +176,11 @@ class KVAlloc(Request):
         aligned = msg.get("aligned", False)
         if not isinstance(aligned, bool):
             raise ProtocolError("kv_alloc: 'aligned' must be a boolean")
-        return cls(num_blocks, block_bytes, aligned)
+        raw_prefix = msg.get("prefix")
+        if raw_prefix is not None and not isinstance(raw_prefix, dict):
+            raise ProtocolError("kv_alloc: 'prefix' must be a map")
+        prefix = None if raw_prefix is None else PrefixPrefetch.parse(raw_prefix)
+        return cls(num_blocks, block_bytes, aligned, prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,17 +254,23 @@ class KVPublish(Request):
 
 @dataclass(frozen=True, slots=True)
 class KVRestore(Request):
-    """Copy the longest published run of ``hashes`` (from the first) into ``block_ids``."""
+    """Copy the longest published run of ``hashes`` (from the first) into ``block_ids``.
+    ``first``: the hashes are a prompt's from its first block on; the pool remembers them as
+    the scope's most recent prefix (what :class:`PrefixPrefetch` fills a new instance with)."""
 
     op: ClassVar[str] = "kv_restore"
     model_id: str
     layout: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    first: bool = False
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> KVRestore:
-        return cls(*_prefix_fields(msg, cls.op))
+        first = msg.get("first", False)
+        if not isinstance(first, bool):
+            raise ProtocolError("kv_restore: 'first' must be a boolean")
+        return cls(*_prefix_fields(msg, cls.op), first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,10 +308,19 @@ class _NoFields(Request):
 
 
 @dataclass(frozen=True, slots=True)
-class Release(_NoFields):
-    """Unpin everything and free the session's KV blocks."""
+class Release(Request):
+    """Unpin everything and free the session's KV blocks (``keep_kv``: all but those: a standby
+    holds its first blocks through the wait, see ``runtime.assignment``)."""
 
     op: ClassVar[str] = "release"
+    keep_kv: bool = False
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Release:
+        keep_kv = msg.get("keep_kv", False)
+        if not isinstance(keep_kv, bool):
+            raise ProtocolError("release: 'keep_kv' must be a boolean")
+        return cls(keep_kv)
 
 
 @dataclass(frozen=True, slots=True)

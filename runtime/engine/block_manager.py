@@ -63,9 +63,10 @@ class BaseBlockSource(ABC):
         """Whether :meth:`restore` and :meth:`publish` reach a store beyond this instance."""
         return False
 
-    def restore(self, hashes: list[bytes], block_ids: list[int]) -> int:
+    def restore(self, hashes: list[bytes], block_ids: list[int], first: bool = False) -> int:
         """Fill ``block_ids`` with the KV of the longest stored run of ``hashes`` (from the
-        first); how many blocks were filled."""
+        first); how many blocks were filled. ``first``: the hashes start at the prompt's first
+        block (a store may remember them as the prefix a new instance is likely to need)."""
         return 0
 
     def publish(self, hashes: list[bytes], block_ids: list[int]) -> None:
@@ -135,6 +136,7 @@ class BlockManager:
         self._published: OrderedDict[bytes, None] = OrderedDict()  # bounded: at most once per hash
         self._max_published = max_published
         self._to_publish: list[tuple[bytes, int]] = []
+        self._prefetched: set[int] = set()  # adopted filled (adopt_prefix), no sequence read them yet
 
     @property
     def num_held(self) -> int:
@@ -172,6 +174,7 @@ class BlockManager:
         return block
 
     def _unhash(self, block: int) -> None:
+        self._prefetched.discard(block)
         h = self.hash_of.pop(block, None)
         if h is not None and self.cached.get(h) == block:
             del self.cached[h]
@@ -235,10 +238,13 @@ class BlockManager:
         for _ in range(self.blocks_needed(len(seq)) - len(match.hits)):
             seq.block_table.append(self._take())
         reused = len(match.hits)
+        # Hits on blocks that came filled from the source (adopt_prefix) count as restored.
+        prefetched = sum(1 for b in match.hits if b in self._prefetched)
+        self._prefetched.difference_update(match.hits)
         restored = 0
         if reused < match.limit and self.source.shares_prefixes:
             want = seq.block_hashes[reused : match.limit]
-            restored = self.source.restore(want, seq.block_table[reused : match.limit])
+            restored = self.source.restore(want, seq.block_table[reused : match.limit], first=reused == 0)
             for i in range(reused, reused + restored):
                 self._register(seq.block_table[i], seq.block_hashes[i])
                 self._mark_published(seq.block_hashes[i])
@@ -248,8 +254,8 @@ class BlockManager:
             seq.cached_tokens = seq.num_cached
             if match.limit:
                 self.stats.queried_tokens += match.limit * self.block_size
-                self.stats.hit_tokens += reused * self.block_size
-                self.stats.restored_tokens += restored * self.block_size
+                self.stats.hit_tokens += (reused - prefetched) * self.block_size
+                self.stats.restored_tokens += (restored + prefetched) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the sequence can grow by one token (a new block when the last is full)."""
@@ -311,6 +317,21 @@ class BlockManager:
             self.source.release(extra)
 
     # ----- prefix cache ---------------------------------------------------------------------------
+
+    def adopt_prefix(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """Hold ``block_ids``, which came from the source filled with the prefix KV whose chained
+        hashes are ``hashes`` (one each, in order), as cached blocks no sequence holds: a prompt
+        that starts with that prefix reuses them. They count as restored when first reused."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} blocks for {len(hashes)} hashes")
+        for block, h in zip(block_ids, hashes, strict=True):
+            if not self.prefix_caching or h in self.cached:  # (a hash twice: cached once)
+                self.free.append(block)
+                continue
+            self._register(block, h)
+            self._mark_published(h)  # it came from the store: never offered back
+            self.evictable[block] = None
+            self._prefetched.add(block)
 
     def commit(self, seq: Sequence) -> None:
         """After a forward pass wrote the sequence's KV up to ``seq.num_cached``: its new full

@@ -348,10 +348,14 @@ class Engine:
         current, target = self._kv_scaling()
         return 0 if target is None else max(0, target - current)
 
-    def adopt_kv(self, block_ids: list[int]) -> None:
+    def adopt_kv(self, block_ids: list[int], prefix_hashes: tuple[bytes, ...] = ()) -> None:
         """Hold ``block_ids`` (the source's numbers of blocks fetched for this engine, see
-        :meth:`kv_prefetch`) as unused blocks, as :meth:`scale_kv` would have."""
-        self.blocks.free.extend(block_ids)
+        :meth:`kv_prefetch`) as unused blocks, as :meth:`scale_kv` would have. The first
+        ``len(prefix_hashes)`` came filled with prefix KV of those hashes: they are held as
+        cached blocks (:meth:`BlockManager.adopt_prefix`)."""
+        num_prefix = len(prefix_hashes)
+        self.blocks.adopt_prefix(block_ids[:num_prefix], list(prefix_hashes))
+        self.blocks.free.extend(block_ids[num_prefix:])
 
     def _kv_scaling(self) -> tuple[int, int | None]:
         """The blocks held now and the watermark's target (None: stay), for :meth:`scale_kv`."""

@@ -45,10 +45,12 @@ class PoolBlockSource(BaseBlockSource):
     def shares_prefixes(self) -> bool:
         return self.prefix_model is not None
 
-    def restore(self, hashes: list[bytes], block_ids: list[int]) -> int:
+    def restore(self, hashes: list[bytes], block_ids: list[int], first: bool = False) -> int:
         assert self.prefix_model is not None
         ids = [self._pool_ids[b] for b in block_ids]
-        return self._prefix_call(lambda: self.client.kv_restore(self.prefix_model, self.layout, hashes, ids))
+        return self._prefix_call(
+            lambda: self.client.kv_restore(self.prefix_model, self.layout, hashes, ids, first)
+        )
 
     def publish(self, hashes: list[bytes], block_ids: list[int]) -> None:
         assert self.prefix_model is not None

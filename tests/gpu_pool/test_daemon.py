@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -316,6 +317,45 @@ def test_a_failed_acquire_with_kv_allocates_no_blocks(
         assert c.stats()["kv_bytes"] == 0
         placements, kv = c.acquire_with_kv(manifest, 2, 4096)
         assert set(placements) == {e.name for e in manifest.tensors} and kv is not None
+
+
+def test_an_async_acquire_leaves_the_event_loop_free_and_fails_like_a_blocking_one(
+    pool_process: PoolProcess, manifest: Manifest, tmp_path: Path
+) -> None:
+    """``acquire_async`` (a worker's activation): other tasks run while the daemon works; an
+    error reply raises as from ``acquire_with_kv`` and the session goes on; a cancelled one
+    (a reply that would answer the next call) closes the session."""
+    untrusted = write_entry(tmp_path / "elsewhere", "x", random_tensors(2, [64]))
+
+    async def scenario() -> None:
+        with PoolClient(pool_process.socket_path) as c:
+            ticks = 0
+
+            async def ticking() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            ticker = asyncio.create_task(ticking())
+            placements, kv = await c.acquire_async(manifest, 2, 4096)  # loads: a thread in the daemon
+            ticker.cancel()
+            assert ticks > 1, "the event loop was blocked for the whole acquire"
+            assert set(placements) == {e.name for e in manifest.tensors} and kv is not None
+            assert len(kv.block_ids) == 2 and kv.prefix_hashes == ()
+            with pytest.raises(RemotePoolError) as failed:
+                await c.acquire_async(untrusted, 2, 4096)
+            assert failed.value.code == "untrusted_manifest"
+            assert (await c.acquire_async(manifest))[1] is None  # no blocks asked for
+            pending = asyncio.create_task(c.acquire_async(manifest))
+            await asyncio.sleep(0)  # sent, its reply not read yet
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            with pytest.raises(OSError):
+                c.stats()
+
+    asyncio.run(scenario())
 
 
 def test_acquire_checks_its_kv_request(pool_process: PoolProcess, manifest: Manifest) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
-from gpu_pool.client import PoolClient, RemotePoolError
+from gpu_pool.client import KVBlocks, PoolClient, PrefixPrefetch, RemotePoolError
 from gpu_pool.config import PoolConfig
-from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument
+from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument, ProtocolError
 from gpu_pool.manifest import Manifest
-from gpu_pool.server.daemon import INLINE_COPY_BYTES
+from gpu_pool.server.kv_copy import INLINE_COPY_BYTES
+from gpu_pool.wire import messages
 from tests.conftest import PoolProcess, random_tensors, write_entry
 
 pytestmark = pytest.mark.slow
@@ -206,3 +208,93 @@ def test_prefix_bytes_config_fails_loudly() -> None:
         PoolConfig.from_env({**base, "EMBER_POOL_PREFIX_BYTES": "lots"})
     with pytest.raises(ConfigError, match="prefix_bytes"):
         PoolConfig(device="cpu", arena_bytes=1 << 20, socket_path="/tmp/x.sock", prefix_bytes=-1)
+
+
+def prefetch(client: PoolClient, manifest: Manifest, num_blocks: int, max_blocks: int) -> KVBlocks:
+    """An acquire (on the session's event loop) with ``num_blocks`` blocks and the prefix."""
+    prefix = PrefixPrefetch("m", LAYOUT, max_blocks)
+    _, kv = asyncio.run(client.acquire_async(manifest, num_blocks, BLOCK, prefix))
+    assert kv is not None
+    return kv
+
+
+def test_an_acquire_brings_the_prefix_its_scope_last_restored_first(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    """A new instance's acquire comes with the published blocks of the prefix its function's
+    last new instance asked for from its first block (``kv_restore(first=True)``), in its first
+    blocks; up to the first block no longer published, ``max_blocks`` and the blocks asked for."""
+    hashes = [os.urandom(16) for _ in range(4)]
+    with scoped(pool_process) as a:  # an instance computed and published three blocks
+        a.acquire(manifest)
+        ids, contents = fill(a, 3, seed=30)
+        assert a.kv_publish("m", LAYOUT, hashes[:3], ids) == 3
+    with scoped(pool_process) as b:  # the next one's first request asked for all four
+        b.acquire(manifest)
+        ids, _ = fill(b, 4, seed=40)
+        assert b.kv_restore("m", LAYOUT, hashes, ids, first=True) == 3
+        assert b.kv_restore("m", LAYOUT, hashes[2:], ids[:2]) == 1  # not from the first: not kept
+    with scoped(pool_process) as c:
+        kv = prefetch(c, manifest, 5, max_blocks=8)
+        assert kv.prefix_hashes == tuple(hashes[:3]) and len(kv.block_ids) == 5
+        offsets = dict(zip(kv.block_ids, kv.offsets, strict=True))
+        assert read_blocks(c, list(kv.block_ids[:3]), offsets) == contents
+        assert read_blocks(c, list(kv.block_ids[3:]), offsets) == [bytes(BLOCK)] * 2
+        assert c.stats()["kv_bytes"] == 5 * BLOCK
+    for num_blocks, max_blocks, expected in ((4, 2, 2), (2, 8, 2)):
+        with scoped(pool_process) as d:
+            kv = prefetch(d, manifest, num_blocks, max_blocks)
+            assert kv.prefix_hashes == tuple(hashes[:expected]) and len(kv.block_ids) == num_blocks
+    with scoped(pool_process, "other") as e:  # another function's scope has none
+        kv = prefetch(e, manifest, 2, max_blocks=8)
+        assert kv.prefix_hashes == () and len(kv.block_ids) == 2
+    with PoolClient(pool_process.socket_path) as unscoped:  # no function's scope: plain blocks
+        kv = prefetch(unscoped, manifest, 2, max_blocks=8)
+        assert kv.prefix_hashes == () and len(kv.block_ids) == 2
+
+
+def test_an_acquire_brings_no_prefix_of_a_model_it_did_not_acquire(
+    pool_process: PoolProcess, manifest: Manifest, store_root: Path
+) -> None:
+    """The prefix must be of the acquired model (as for kv_restore); otherwise the blocks come
+    unfilled and the acquire succeeds."""
+    other = write_entry(store_root, "n", random_tensors(2, [3000]))
+    hashes = [os.urandom(16)]
+    with scoped(pool_process) as a:
+        a.acquire(other)
+        ids, _ = fill(a, 1, seed=60)
+        assert a.kv_publish("n", LAYOUT, hashes, ids) == 1
+        assert a.kv_restore("n", LAYOUT, hashes, ids, first=True) == 1
+    with scoped(pool_process) as b:
+        _, kv = asyncio.run(b.acquire_async(manifest, 2, BLOCK, PrefixPrefetch("n", LAYOUT, 4)))
+        assert kv is not None and kv.prefix_hashes == () and len(kv.block_ids) == 2
+
+
+def test_prefix_prefetch_fields_are_checked() -> None:
+    prefix = {"model_id": "m", "layout": LAYOUT, "max_blocks": 4}
+    kv = {"num_blocks": 1, "block_bytes": 4096, "prefix": prefix}
+    parsed = messages.parse({"op": "acquire", "manifest_bin": b"x", "kv": kv})
+    assert isinstance(parsed, messages.Acquire) and parsed.kv is not None
+    assert parsed.kv.prefix == messages.PrefixPrefetch("m", LAYOUT, 4)
+    parsed = messages.parse({"op": "release", "keep_kv": True})
+    assert isinstance(parsed, messages.Release) and parsed.keep_kv
+    for bad, kind in (
+        ({"op": "kv_alloc", **kv, "prefix": [1]}, ProtocolError),
+        ({"op": "kv_alloc", **kv, "prefix": {**prefix, "max_blocks": 0}}, InvalidArgument),
+        ({"op": "kv_alloc", **kv, "prefix": {**prefix, "layout": "a/b"}}, InvalidArgument),
+        ({"op": "kv_alloc", **kv, "prefix": {"model_id": "m"}}, ProtocolError),
+        (
+            {
+                "op": "kv_restore",
+                "model_id": "m",
+                "layout": LAYOUT,
+                "hashes": [],
+                "block_ids": [],
+                "first": 1,
+            },
+            ProtocolError,
+        ),
+        ({"op": "release", "keep_kv": "yes"}, ProtocolError),
+    ):
+        with pytest.raises(kind):
+            messages.parse(bad)

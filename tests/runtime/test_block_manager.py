@@ -9,6 +9,7 @@ The prefix store beside it is the pure-Python stand-in for the pool's ``kv_publi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -28,6 +29,8 @@ class World:
 
     kv: dict[int, Slots] = field(default_factory=dict)
     store: dict[bytes, Slots] = field(default_factory=dict)
+    recent: list[bytes] = field(default_factory=list)  # the last restore from a first block
+    num_restores: int = 0
 
 
 class SharingSource(RangeBlockSource):
@@ -40,7 +43,10 @@ class SharingSource(RangeBlockSource):
     def shares_prefixes(self) -> bool:
         return True
 
-    def restore(self, hashes: list[bytes], block_ids: list[int]) -> int:
+    def restore(self, hashes: list[bytes], block_ids: list[int], first: bool = False) -> int:
+        self.world.num_restores += 1
+        if first:
+            self.world.recent = list(hashes)
         n = 0
         for h, b in zip(hashes, block_ids, strict=True):
             if h not in self.world.store:
@@ -99,7 +105,9 @@ ops = st.lists(
         st.tuples(st.just("finish"), st.integers(0, 7)),
         st.tuples(st.just("flush"), st.just(0)),
         st.tuples(st.just("trim"), st.integers(0, 4)),
-        st.tuples(st.just("restart"), st.just(0)),  # a new instance over the same store
+        # A new instance over the same store, which comes with up to N blocks of the prefix the
+        # last instance restored from a first block (the pool's prefetch with an acquire).
+        st.tuples(st.just("restart"), st.integers(0, 3)),
     ),
     max_size=60,
 )
@@ -145,7 +153,52 @@ def test_prefix_cache_accounting(ops: list[tuple], block_size: int, num_blocks: 
             bm.trim(0)
             world.kv.clear()
             bm = BlockManager(source, block_size, refill, model_key="m")
+            prefetch(world, bm, source, op[1])
         check(world, bm, source, live)
+
+
+def prefetch(world: World, bm: BlockManager, source: SharingSource, max_blocks: int) -> None:
+    """What the pool does for an acquire's prefix: the stored run of the remembered hashes, in
+    blocks of their own, adopted filled."""
+    run = list(itertools.takewhile(lambda h: h in world.store, world.recent))[:max_blocks]
+    blocks = source.acquire(len(run)) if run else None
+    if blocks is not None:
+        for h, b in zip(run, blocks, strict=True):
+            world.kv[b] = dict(world.store[h])
+        bm.adopt_prefix(blocks, run)
+
+
+def test_adopted_prefix_blocks_are_hits_counted_as_restored_without_a_restore() -> None:
+    """A new instance's engine holds the prefix its acquire brought (``adopt_prefix``): a prompt
+    that starts with it reuses those blocks without asking the source, and the request and the
+    stats count them as restored; a prompt that does not restores from its first block."""
+    world = World()
+    source = SharingSource(16, world)
+    first = BlockManager(source, 2, model_key="m")
+    seq = Sequence(1, [1, 2, 3, 4, 5], PARAMS)  # two full blocks
+    admit(first, seq)
+    assert world.num_restores == 1 and world.recent == seq.block_hashes[:2]
+    forward(world, first, seq)
+    first.flush_publish()
+    first.deallocate(seq)
+    first.trim(0)  # the first instance ends: its memory is gone
+    world.kv.clear()
+    hashes = list(seq.block_hashes[:2])
+    second = BlockManager(source, 2, model_key="m")
+    prefetch(world, second, source, 8)
+    assert set(second.cached) == set(hashes) and len(second.evictable) == 2
+    again = Sequence(2, [1, 2, 3, 4, 9], PARAMS)
+    admit(second, again)
+    assert world.num_restores == 1, "the adopted blocks were hits: no restore"
+    assert again.cached_tokens == 4 and second.stats.restored_tokens == 4 and second.stats.hit_tokens == 0
+    check(world, second, source, [again])
+    forward(world, second, again)
+    other = Sequence(3, [7, 7, 7, 7, 7], PARAMS)
+    admit(second, other)
+    assert world.num_restores == 2 and world.recent == other.block_hashes[:2]
+    later = Sequence(4, [1, 2, 3, 4, 6], PARAMS)  # the same blocks again: plain hits now
+    admit(second, later)
+    assert second.stats.restored_tokens == 4 and second.stats.hit_tokens == 4
 
 
 def test_a_repeated_prompt_reuses_its_full_blocks_and_computes_its_last_token() -> None:

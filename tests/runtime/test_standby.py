@@ -21,9 +21,11 @@ import pytest
 
 from gpu_pool.client import PoolClient
 from runtime.agent import LaunchError, NodeAgent
-from runtime.assignment import Standby, StandbyMismatch, activate
-from runtime.instance import bind_at, load_template
+from runtime.assignment import Standby, StandbyMismatch, activate, prepare
+from runtime.engine.sampling import SamplingParams
+from runtime.instance import bind, bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.worker import WorkerState
 from runtime.worker_guard import TOKEN_HEADER
 from tests.conftest import CountingSocket, PoolProcess
 from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
@@ -208,10 +210,12 @@ def test_a_started_instance_fetches_its_first_kv_blocks_before_its_first_request
             await agent.stop("1", standby=True)
             await wait_standby(agent, 1)
             await wait_warm(agent, 1)
-            held = (await agent.report())[device]["kv_bytes"]  # prefix blocks published by the first
+            # A standby takes its first blocks while it waits (runtime.assignment): they are
+            # there before the activation, and the instance keeps them.
+            assert (await agent.report())[device]["kv_bytes"] > 0
             second = await agent.launch("2", document, model, device, time.time() + 120)
             assert "activate_ms" in second.timings_ms
-            await wait_kv_bytes(agent, device, held)
+            await wait_kv_bytes(agent, device, 0)
             assert await complete(second.url, second.token) == expected
 
     asyncio.run(scenario())
@@ -266,6 +270,81 @@ ECHO = """async def handler(event, context):
 
 
 @pytest.mark.slow
+def generate(engine: Any, prompt: list[int]) -> tuple[list[int], int]:
+    """A greedy request run to its end by stepping ``engine`` here: its tokens and cached tokens."""
+    seq_id = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens, cached = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.seq_id == seq_id and out.token_id is not None:
+                tokens.append(out.token_id)
+                cached = max(cached, out.cached_tokens)
+    return tokens, cached
+
+
+@pytest.mark.parametrize("prepared_by", ["prepare", "hand"])
+def test_a_start_brings_the_prefix_its_functions_last_start_restored(
+    tmp_path: Path, prepared_by: str
+) -> None:
+    """The function's last new instance restored its first request's prompt from its first
+    block; the pool remembers that prefix and fills a new engine's first KV blocks with its
+    published blocks: a standby's preparation takes them (``prepare``), or, when the standby
+    holds no blocks (made by hand here, as when the pool had no room for them then), the
+    activation's acquire brings them with the weights. Either way the activation is one round
+    trip and the next first request with that prompt finds the prefix in its own engine,
+    without a ``kv_restore`` round trip, reports it as cached and computes the same tokens."""
+    tiny = register_tiny(tmp_path)
+    pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
+    document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16
+
+    async def scenario() -> None:
+        template = load_template(tiny.directory)
+        with PoolClient(pool.socket_path, admin_token=pool.admin_token) as admin:
+            tickets = [admin.grant(1 << 20, prefix_scope="tiny") for _ in range(2)]
+        first = PoolClient(pool.socket_path, ticket=tickets[0])  # the function's last instance
+        binding = bind(template, first, 64, progressive=False)
+        expected, cached = generate(binding.engine, prompt)
+        assert cached == 0
+        binding.engine.blocks.flush_publish()  # (the engine does it between requests)
+        binding.engine.close()
+        first.close()
+
+        prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, tickets[1], 1 << 20)
+        if prepared_by == "prepare":
+            standby, _ = await prepare(WorkerState(), prepared)
+            assert len(standby.binding.engine.blocks.cached) == 2  # before the activation
+        else:
+            client = PoolClient(pool.socket_path, ticket=tickets[1])
+            placements = client.acquire_placements(template.manifest, access=False)
+            binding = bind_at(template, client, placements, 64)
+            client.release()
+            standby = Standby(prepared, binding, client, placements, None)
+        client = standby.client
+        counted = CountingSocket(client._sock)
+        client._sock = counted
+        message = AssignMessage(
+            "2", document, str(tiny.directory), pool.socket_path, tickets[1], time.time() + 60, None, 1 << 20
+        )
+        assignment, _ = await activate(standby, message)
+        engine = assignment.binding.engine
+        try:
+            assert counted.writes == 1 and len(engine.blocks.cached) == 2
+            tokens, cached = generate(engine, prompt)
+            assert counted.writes == 1, "the first request asked the pool for its prefix"
+            assert cached == 32 and engine.blocks.stats.restored_tokens == 32
+            assert tokens == expected
+        finally:
+            assignment.driver.cancel()
+            engine.close()
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.stop()
+
+
 def test_a_custom_handler_fetches_no_kv_blocks_it_may_never_use(tmp_path: Path) -> None:
     home, document, source = custom_function(tmp_path, "echo", ECHO)
 
