@@ -21,8 +21,8 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena import mapping
@@ -30,6 +30,7 @@ from gpu_pool.errors import ERRORS_BY_CODE, KVQuotaExceeded, OutOfMemory, PoolEr
 from gpu_pool.manifest import Manifest
 from gpu_pool.readiness import Readiness
 from gpu_pool.wire import fdpass
+from gpu_pool.wire.messages import PrefixPrefetch
 from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
@@ -77,14 +78,6 @@ class KVBlocks:
     offsets: tuple[int, ...]
     block_bytes: int
     prefix_hashes: tuple[bytes, ...] = ()
-
-
-class PrefixPrefetch(NamedTuple):
-    """What prefix KV an acquire may bring (see ``gpu_pool.wire.messages.PrefixPrefetch``)."""
-
-    model_id: str
-    layout: str
-    max_blocks: int
 
 
 @dataclass(frozen=True)
@@ -260,7 +253,7 @@ class PoolClient:
         if num_blocks:
             fields["kv"] = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
             if prefix is not None:
-                fields["kv"]["prefix"] = prefix._asdict()
+                fields["kv"]["prefix"] = asdict(prefix)
         reply, fds = await self._request_async("acquire", **fields)
         return self._with_kv(reply, fds, asked=num_blocks > 0)
 
@@ -317,7 +310,7 @@ class PoolClient:
         at a multiple of the block size, so ``offset // block_bytes`` numbers it). With
         ``prefix``, the first come filled with the prefix KV the session's scope most recently
         restored from a first block (``KVBlocks.prefix_hashes``)."""
-        fields: dict[str, Any] = {"prefix": prefix._asdict()} if prefix is not None else {}
+        fields: dict[str, Any] = {"prefix": asdict(prefix)} if prefix is not None else {}
         reply, fds = self._request(
             "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned, **fields
         )
