@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,10 +53,10 @@ from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattai
 from runtime.errors import EmberRuntimeError, error_body, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
-from runtime.instance import ModelTemplate, load_template, warm_up
+from runtime.instance import ModelBinding, ModelTemplate, Prepared, load_template, warm_up
 from runtime.intra_op import claim_engine_thread, set_engine_threads
 from runtime.messages import AssignMessage, MessageError, PreloadMessage, StandbyMessage, ThreadsMessage
-from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
+from runtime.openai_api import ChatRequest, CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
 from runtime.openai_tool_stream import tool_sse_chunks
 from runtime.openai_tools import tool_message
@@ -71,6 +71,16 @@ DEFAULT_HANDLER = "default"
 # connection the worker has just closed (such a request could not be told apart from one
 # the worker received and then failed on, and is never re-sent).
 KEEP_ALIVE_S = 75
+
+
+class Ahead(NamedTuple):
+    """A request read before its instance's activation ended (``build_app``'s ``ahead``): its
+    parsed form and, when it could be, its preparation with the standby's ``binding``."""
+
+    body: Any
+    request: ChatRequest | CompletionRequest
+    binding: ModelBinding | None  # None: not prepared (the instance prepares it)
+    prepared: Prepared | None
 
 
 @dataclass
@@ -321,17 +331,52 @@ def build_app(state: WorkerState) -> FastAPI:
             return response
         return a
 
+    async def ahead(raw: Request, chat: bool) -> Ahead | JSONResponse | None:
+        """A request sent ahead of its instance's activation to a standby of the default
+        handler is read, parsed and tokenized with the standby's binding while the activation
+        runs (its pool round trip leaves the loop free), not after it. None: not such a
+        request. A client mistake is answered at once (it would be on any instance); a
+        failure that may depend on the activation (an adapter it attaches) leaves the
+        preparation to :func:`openai`."""
+        standby = state.standby
+        if state.assignment is not None or standby is None or standby.handler is not None:
+            return None
+        if INSTANCE_HEADER not in raw.headers:
+            return None
+        body = await _json(raw)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            request = await parse_request_async(body, chat)
+        except RequestError as exc:
+            return _bad_request(exc)
+        binding = standby.binding
+        try:
+            prepared = await binding.prepare_all(request)
+        except RequestError:
+            return Ahead(body, request, None, None)
+        return Ahead(body, request, binding, prepared)
+
     async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
+        early = await ahead(raw, chat) if body is None else None
+        if isinstance(early, JSONResponse):
+            return early
         a = await serving(raw)
         if isinstance(a, JSONResponse):
             return a
-        if body is None:
+        if early is not None:
+            body = early.body
+        elif body is None:
             body = await _json(raw)
             if isinstance(body, JSONResponse):
                 return body
         try:
-            request = await parse_request_async(body, chat)
-            prepared = await a.binding.prepare_all(request)
+            if early is not None and early.binding is a.binding:  # the standby's engine serves it
+                request, prepared = early.request, early.prepared
+                assert prepared is not None
+            else:
+                request = early.request if early is not None else await parse_request_async(body, chat)
+                prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
             return _bad_request(exc)
         ids, params = prepared.ids, prepared.params

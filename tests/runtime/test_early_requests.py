@@ -206,3 +206,54 @@ def test_a_worker_whose_assign_failed_holds_nothing_more(tmp_path: Path) -> None
             refused = http.post("/v1/completions", json=PROMPT, headers=early)
             assert refused.status_code == 503 and refused.headers[NEVER_RAN_HEADER] == "1"
             assert refused.json()["error"]["type"] == NOT_STARTED and time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.slow
+def test_a_request_sent_to_a_standby_is_read_and_checked_before_its_activation(tmp_path: Path) -> None:
+    """A standby of the default handler reads, parses and tokenizes a request that names the
+    instance it will become while it waits (the activation's pool round trip then overlaps
+    it): a malformed one is answered at once, not held for an assign that may never come. A
+    well-formed one is served by the activated instance, also when the activation rebuilt
+    the engine on new placements (it is prepared again with the new binding)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    write_tiny_gguf(tmp_path / "other.gguf", hf_weights(4))
+    source = str(tmp_path / "tiny.gguf")
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", source) as (agent, model, device):
+            document = spec("tiny", {"source": source})
+            await wait_warm(agent, 1)
+            first = await agent.launch("1", document, model, device, time.time() + 120)
+            expected = await complete(first.url, first.token)
+            await wait_warm(agent, 1)
+            await agent.stop("1", standby=True)
+            await wait_standby(agent, 1)
+            (standby,) = agent._standbys._ready.values()
+            early = {
+                **standby.worker.headers,
+                INSTANCE_HEADER: "2",
+                "x-ember-deadline": f"{time.time() + 20:.3f}",
+            }
+            async with httpx.AsyncClient(base_url=standby.worker.url, timeout=30) as http:
+                t0 = time.monotonic()
+                bad = await http.post("/v1/completions", json={**PROMPT, "max_tokens": "many"}, headers=early)
+                assert bad.status_code == 400 and time.monotonic() - t0 < 5.0, bad.text
+                assert bad.json()["error"]["param"] == "max_tokens"
+                not_json = await http.post("/v1/completions", content=b"{", headers=early)
+                assert not_json.status_code == 400 and time.monotonic() - t0 < 10.0, not_json.text
+
+            # The model is evicted and another takes its place: the activation rebuilds the
+            # engine on new placements, and the request read ahead is served by the new one.
+            assert await agent.evict(model["id"]) > 0
+            other = await agent.ensure_model(str(tmp_path / "other.gguf"), "float32")
+            other_doc = spec("other", {"source": str(tmp_path / "other.gguf")})
+            await wait_warm(agent, 1)
+            await agent.launch("3", other_doc, other, device, time.time() + 120)
+            request = EarlyRequest("2")
+            second = await agent.launch("2", document, model, device, time.time() + 120, request)
+            assert "activate_ms" in second.timings_ms and "build_ms" in second.timings_ms
+            status, body = await request.answer()
+            assert status == 200, body
+            assert body["choices"][0]["text"] == expected
+
+    asyncio.run(scenario())
