@@ -51,7 +51,7 @@ from runtime.mesh.admission import instance_view
 from runtime.mesh.grant_server import DeviceGrants
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
-from runtime.standby_pool import Standbys, function_name, kv_scope
+from runtime.standby_pool import OnStandby, Standbys, function_name, kv_scope
 from runtime.warm_pool import WarmPool
 from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
 from runtime.worker_handle import WorkerHandle
@@ -124,6 +124,11 @@ class NodeAgent:
         self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
         self._tasks: set[asyncio.Task[None]] = set()  # background rounds (kept referenced)
         self._grants: dict[str, DeviceGrants] = {}  # device -> its token scheduler (runtime.mesh)
+
+    def on_standby(self, callback: OnStandby) -> None:
+        """Tell ``callback(url, token)`` each standby that becomes ready, and again while it
+        waits (:mod:`runtime.standby_pool`): the gateway keeps a connection open to it."""
+        self._standbys.on_ready = callback
 
     @property
     def pools(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class WorkerState:
     mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
     assignment: Assignment | None = None
     standby: Standby | None = None  # prepared for one function (runtime.assignment), until assigned
+    activating: Standby | None = None  # the standby being activated, while it is
     assigning: bool = False  # an assign or a standby is being prepared
     early: EarlyRequests = field(default_factory=EarlyRequests)  # requests held for the assign
     sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
@@ -262,11 +263,14 @@ def build_app(state: WorkerState) -> FastAPI:
                 if standby is None:
                     state.assignment, reply = await assign(state, message)
                 else:
+                    state.activating = standby
                     try:
                         state.assignment, reply = await activate(standby, message)
                     except StandbyMismatch:
                         state.standby = standby  # untouched: the agent ends this worker
                         raise
+                    finally:
+                        state.activating = None
             except BaseException:  # the agent ends this worker: it holds no request from now on
                 if body:  # (not the rehearsal's empty body: runtime.rehearsal)
                     state.early.refuse()
@@ -338,7 +342,7 @@ def build_app(state: WorkerState) -> FastAPI:
         request. A client mistake is answered at once (it would be on any instance); a
         failure that may depend on the activation (an adapter it attaches) leaves the
         preparation to :func:`openai`."""
-        standby = state.standby
+        standby = state.standby or state.activating
         if state.assignment is not None or standby is None or standby.handler is not None:
             return None
         if INSTANCE_HEADER not in raw.headers:
@@ -353,7 +357,9 @@ def build_app(state: WorkerState) -> FastAPI:
         binding = standby.binding
         try:
             prepared = await binding.prepare_all(request)
-        except RequestError:
+        except Exception:  # an activation may close this binding meanwhile
+            # Prepared again after the hold, with the instance's binding: a real error is
+            # raised there (a RequestError here may name an adapter the activation attaches).
             return Ahead(body, request, None, None)
         return Ahead(body, request, binding, prepared)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from gateway.metrics import Metrics
-from gateway.proxy import InvocationError, Invoker, ProxyConfig
+from gateway.proxy import WORKER_TOKEN_HEADER, InvocationError, Invoker, ProxyConfig
 from runtime.errors import error_body
 from scheduler.launcher import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
 from scheduler.records import FunctionRecord
@@ -170,5 +171,51 @@ def test_never_ran_answers_use_no_retry_and_end_at_the_deadline(state: ClusterSt
                 assert 0.25 < time.monotonic() - t0 < 5.0
             finally:
                 await invoker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_preconnected_worker_takes_its_early_request_on_the_connection_already_open(
+    state: ClusterState,
+) -> None:
+    """``Invoker.preconnect`` (a standby announced by the agent) leaves an idle connection that
+    the request sent ahead of the activation then uses: no connection is opened on the cold
+    path. A worker that cannot be reached is no error (nothing is kept)."""
+    deploy(state, "f", 1 << 20)
+
+    async def scenario() -> None:
+        peers: list[tuple[str, int, str | None]] = []  # (path, client port, worker token)
+
+        async def answer(request: web.Request) -> web.Response:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            assert peer is not None
+            peers.append((request.path, int(peer[1]), request.headers.get(WORKER_TOKEN_HEADER)))
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_get("/healthz", answer)
+        app.router.add_post("/invoke", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        with socket.socket() as probe:  # a port nobody listens on
+            probe.bind(("127.0.0.1", 0))
+            closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        routing = ScriptedRouting([Route("1", url, True, 0.0, "worker-token", early=True)])
+        invoker = Invoker(state, routing, Metrics(), ProxyConfig())
+        try:
+            await invoker.preconnect(closed, "worker-token")
+            await invoker.preconnect(url, "worker-token")
+            response = await invoker.forward("f", "/invoke", b"{}", "invoke", None)
+            assert response.status_code == 200
+            (health, invoke) = peers
+            assert health[0] == "/healthz" and health[2] == "worker-token"
+            assert invoke[0] == "/invoke" and invoke[2] == "worker-token"
+            assert invoke[1] == health[1]  # the same client port: the connection preconnect opened
+        finally:
+            await invoker.close()
+            await runner.cleanup()
 
     asyncio.run(scenario())

@@ -25,6 +25,7 @@ from runtime.assignment import Standby, StandbyMismatch, activate, prepare
 from runtime.engine.sampling import SamplingParams
 from runtime.instance import bind, bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.standby_pool import ANNOUNCE_S
 from runtime.worker import WorkerState
 from runtime.worker_guard import TOKEN_HEADER
 from tests.conftest import CountingSocket, PoolProcess
@@ -521,5 +522,28 @@ def test_a_failing_initializer_is_not_run_again_elsewhere_and_retire_ends_the_st
             assert (await agent.report())[device]["standby_workers"] == 0
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_ready_standby_is_announced_and_again_while_it_waits(tmp_path: Path) -> None:
+    """``on_standby`` hears each standby once it is ready (the gateway opens a connection to
+    it for the request it may send ahead of the activation) and every ``ANNOUNCE_S`` while
+    it waits (that connection would otherwise idle out)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    source = str(tmp_path / "tiny.gguf")
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", source) as (agent, model, device):
+            announced: list[tuple[str, str]] = []
+            agent.on_standby(lambda url, token: announced.append((url, token)))
+            await leave_standby(agent, spec("tiny", {"source": source}), model, device)
+            (standby,) = agent._standbys._ready.values()
+            assert announced == [(standby.worker.url, standby.worker.token)]
+            await agent._standbys.expire(standby.since + ANNOUNCE_S / 2)
+            assert len(announced) == 1
+            await agent._standbys.expire(standby.since + ANNOUNCE_S)
+            assert announced == [(standby.worker.url, standby.worker.token)] * 2
 
     asyncio.run(scenario())
