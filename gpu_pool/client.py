@@ -171,6 +171,11 @@ class PoolClient:
         for name in list(self._fds):
             self._close_fd(name)
 
+    @property
+    def watched(self) -> bool:
+        """Whether :meth:`watch` runs for this session."""
+        return self._watcher is not None
+
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, from a daemon thread, when the pool closes this session's
         connection (the daemon died, was stopped, or dropped the session); not after

@@ -315,6 +315,7 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
         if prepared_by == "prepare":
             standby, _ = await prepare(WorkerState(), prepared)
             assert len(standby.binding.engine.blocks.cached) == 2  # before the activation
+            assert standby.client.watched  # its pool's death ends it; the activation starts no thread
         else:
             client = PoolClient(pool.socket_path, ticket=tickets[1])
             placements = client.acquire_placements(template.manifest, access=False)
@@ -330,6 +331,7 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
         assignment, _ = await activate(standby, message)
         engine = assignment.binding.engine
         try:
+            assert client.watched
             assert counted.writes == 1 and len(engine.blocks.cached) == 2
             tokens, cached = generate(engine, prompt)
             assert counted.writes == 1, "the first request asked the pool for its prefix"
