@@ -30,7 +30,7 @@ from gpu_pool.errors import ERRORS_BY_CODE, KVQuotaExceeded, OutOfMemory, PoolEr
 from gpu_pool.manifest import Manifest
 from gpu_pool.readiness import Readiness
 from gpu_pool.wire import fdpass
-from gpu_pool.wire.messages import PrefixPrefetch
+from gpu_pool.wire.messages import MAX_PREFIX_BLOCKS, PrefixPrefetch
 from gpu_pool.wire.protocol import PROTOCOL_VERSION, decode_reply, recv_frame, send_frame
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class PoolClient:
         self._kv_views: mapping.Views | None = None
         self._fds: dict[str, int] = {}  # "arena" / "kv": received, not yet mapped
         self._watcher: tuple[threading.Thread, int] | None = None  # thread, stop pipe's write end
+        self._in_flight = False  # a request awaits its reply (one at a time: replies come in order)
         self.last_acquire: AcquireReport | None = None
         credentials = {k: v for k, v in (("admin_token", admin_token), ("ticket", ticket)) if v is not None}
         try:
@@ -150,6 +151,10 @@ class PoolClient:
         self.alignment: int = info["alignment"]
         self.admin: bool = bool(info.get("admin", False))
         self.kv_quota_bytes: int | None = info.get("kv_quota_bytes")
+        features = info.get("features")  # (gpu_pool.wire.protocol.FEATURES; absent: an older daemon)
+        self.features: frozenset[str] = frozenset(
+            f for f in (features if isinstance(features, list) else ()) if isinstance(f, str)
+        )
         if fds:
             self._fds["arena"] = fds[0]
         if mapped is not None and mapped.handle == self.arena_handle:
@@ -258,7 +263,7 @@ class PoolClient:
         if num_blocks:
             fields["kv"] = {"num_blocks": num_blocks, "block_bytes": block_bytes, "aligned": True}
             if prefix is not None:
-                fields["kv"]["prefix"] = asdict(prefix)
+                fields["kv"]["prefix"] = _prefix_field(prefix)
         reply, fds = await self._request_async("acquire", **fields)
         return self._with_kv(reply, fds, asked=num_blocks > 0)
 
@@ -305,8 +310,17 @@ class PoolClient:
 
     def release(self, keep_kv: bool = False) -> None:
         """Unpin everything this session acquired and free its KV blocks (``keep_kv``: all but
-        those); tensors stay resident."""
+        those); tensors stay resident. ``keep_kv`` on a daemon that cannot (:attr:`keeps_kv`
+        is False: it would free them, and this session's engine would hand out blocks the pool
+        gives to others) raises :class:`ProtocolError` before anything is sent."""
+        if keep_kv and not self.keeps_kv:
+            raise ProtocolError("this pool daemon does not keep KV blocks over a release (an older one)")
         self._call("release", **({"keep_kv": True} if keep_kv else {}))
+
+    @property
+    def keeps_kv(self) -> bool:
+        """Whether the daemon keeps a session's KV blocks over ``release(keep_kv=True)``."""
+        return "keep_kv" in self.features
 
     def kv_alloc(
         self, num_blocks: int, block_bytes: int, aligned: bool = False, prefix: PrefixPrefetch | None = None
@@ -315,7 +329,7 @@ class PoolClient:
         at a multiple of the block size, so ``offset // block_bytes`` numbers it). With
         ``prefix``, the first come filled with the prefix KV the session's scope most recently
         restored from a first block (``KVBlocks.prefix_hashes``)."""
-        fields: dict[str, Any] = {"prefix": asdict(prefix)} if prefix is not None else {}
+        fields: dict[str, Any] = {"prefix": _prefix_field(prefix)} if prefix is not None else {}
         reply, fds = self._request(
             "kv_alloc", num_blocks=num_blocks, block_bytes=block_bytes, aligned=aligned, **fields
         )
@@ -470,6 +484,7 @@ class PoolClient:
 
     def _request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """One request; the reply and the descriptors sent after it (see gpu_pool.wire.fdpass)."""
+        self._begin()
         request_id = next(self._ids)
         try:
             send_frame(self._sock, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
@@ -477,7 +492,16 @@ class PoolClient:
         except (OSError, ProtocolError):
             self._abandon()
             raise
+        finally:
+            self._in_flight = False
         return self._checked(reply, fds)
+
+    def _begin(self) -> None:
+        """Mark a request in flight; RuntimeError when one is already (another task's await of
+        :meth:`_request_async`): its reply would be read as this one's, closing the session."""
+        if self._in_flight:
+            raise RuntimeError("this pool session has a request in flight: one request at a time")
+        self._in_flight = True
 
     async def _request_async(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """:meth:`_request` that waits for the reply on the running event loop instead of in a
@@ -486,6 +510,7 @@ class PoolClient:
         after it). Cancelled or past the session's timeout, the session is closed, as after
         any failed exchange."""
         loop = asyncio.get_running_loop()
+        self._begin()
         request_id = next(self._ids)
         fd = self._sock.fileno()
         readable: asyncio.Future[None] = loop.create_future()
@@ -501,6 +526,8 @@ class PoolClient:
         except (OSError, ProtocolError, TimeoutError, asyncio.CancelledError):
             self._abandon()
             raise
+        finally:
+            self._in_flight = False
         return self._checked(reply, fds)
 
     def _receive(self, request_id: int) -> tuple[dict[str, Any], list[int]]:
@@ -524,6 +551,12 @@ class PoolClient:
             details = {k: v for k, v in err.items() if k not in ("type", "message")}
             raise RemotePoolError(str(err.get("type")), str(err.get("message")), details)
         return reply, fds
+
+
+def _prefix_field(prefix: PrefixPrefetch) -> dict[str, Any]:
+    """``prefix`` on the wire, its ``max_blocks`` within the wire's bound (a prefetch is an
+    offer: asking for more than a pool may give must not fail the allocation it rides on)."""
+    return {**asdict(prefix), "max_blocks": max(1, min(prefix.max_blocks, MAX_PREFIX_BLOCKS))}
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

@@ -232,11 +232,12 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             # come. The pool fails it with NotResident instead.
             placements = client.acquire_placements(template.manifest, access=False)
             binding = bind_at(template, client, placements, message.max_tokens, message.kv_quota_bytes)
-            if handler is None:
-                _hold_first_kv(binding, client)
             # It pins no weights while it waits: the pool may evict or move the model. It keeps
-            # its first KV blocks (a few MiB; the session's own, like a running instance's).
-            client.release(keep_kv=True)
+            # its first KV blocks (a few MiB; the session's own, like a running instance's),
+            # where the pool can keep them over the release (an older daemon frees them).
+            if handler is None and client.keeps_kv:
+                _hold_first_kv(binding, client)
+            client.release(keep_kv=client.keeps_kv)
             # Watched from now on: its pool's death ends it (its session, the arena it maps
             # and its KV blocks are gone), and the activation starts no thread (~0.1-0.5 ms
             # on a busy 2-core host, on the cold path).
@@ -318,9 +319,11 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
         placements, kv = await _acquire(binding, client, prefetch_kv=standby.handler is None)
         timings = {"acquire_ms": (time.perf_counter() - t0) * 1e3}
         if placements != standby.placements:  # evicted or moved meanwhile: views on the new places
-            binding.engine.close()
+            binding.engine.close()  # (its KV blocks go with it)
             template, max_tokens = binding.template, binding.max_tokens_default
             binding = bind_at(template, client, placements, max_tokens, message.kv_quota_bytes, timings)
+            if kv is None and standby.handler is None:
+                _hold_first_kv(binding, client)  # the new engine's first blocks, with the prefix
         else:
             binding.acquire_report = client.last_acquire
         if kv is not None:

@@ -65,6 +65,7 @@ from gpu_pool.server.reuse_store import AcquireResult, KVBlock, PendingAcquire, 
 from gpu_pool.store.trust import StoreTrust
 from gpu_pool.wire import fdpass, messages
 from gpu_pool.wire.protocol import (
+    FEATURES,
     PROTOCOL_VERSION,
     decode_request,
     encode,
@@ -401,6 +402,7 @@ class PoolDaemon:
             "arena": self.arena.handle(),
             "alignment": self.store.config.alignment,
             "protocol": PROTOCOL_VERSION,
+            "features": list(FEATURES),
             "admin": session.admin,
             "kv_quota_bytes": session.kv_quota,
         }

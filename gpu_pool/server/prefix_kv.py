@@ -46,10 +46,14 @@ if TYPE_CHECKING:
 PREFIX_KEY = "kvp/"  # store keys of published blocks start with it (fingerprints are hex)
 PREFIX_COST_RATIO = 0.5  # a prefix byte costs at most this share of a weight byte of its model
 HASH_BYTES = 16
-# Remembered prefixes (:meth:`PrefixIndex.remember`): one per (scope, model, layout), the least
-# recently remembered dropped past this many, each at most RECENT_BLOCKS blocks long.
-MAX_RECENT = 4096
-RECENT_BLOCKS = 4096
+# Remembered prefixes (:meth:`PrefixIndex.remember`): per scope its MAX_RECENT_PER_SCOPE most
+# recent (model, layout) runs, each at most RECENT_BLOCKS blocks (4,096 tokens of 16-token
+# blocks; a prefetch takes a few MiB); at most MAX_RECENT_SCOPES scopes (one per function: the
+# agent grants them), the least recently remembered dropped first. One scope's sessions cannot
+# push out another's runs, nor hold more than ~64 KiB of hashes (made-up ones included).
+MAX_RECENT_SCOPES = 1024
+MAX_RECENT_PER_SCOPE = 4
+RECENT_BLOCKS = 256
 
 
 class BlockCopy(NamedTuple):
@@ -80,7 +84,8 @@ class PrefixIndex:
         self.max_bytes = max_bytes
         self.meta: dict[str, PrefixMeta] = {}  # store key -> its model (pruned lazily)
         self.bandwidth: dict[str, float] = {}  # model id -> bytes per second of stated recompute
-        self._recent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # namespace -> hashes
+        # scope -> namespace -> its most recent published run, least recently remembered first
+        self._recent: OrderedDict[str, OrderedDict[str, tuple[bytes, ...]]] = OrderedDict()
 
     @staticmethod
     def namespace(scope: str, model_id: str, layout: str) -> str:
@@ -194,11 +199,19 @@ class PrefixIndex:
         return copies
 
     def remember(self, scope: str, model_id: str, layout: str, hashes: list[bytes]) -> None:
-        """``hashes`` (a prompt's, from its first block) are the scope's most recent prefix."""
+        """``hashes`` (a prompt's, from its first block) are the scope's most recent prefix (the
+        first request of a function's first instance finds none published yet, and publishes
+        them: its next start prefetches them). An empty run is not kept."""
+        if not hashes:
+            return
+        runs = self._recent.pop(scope, None) or OrderedDict()
+        self._recent[scope] = runs  # the most recently remembered scope now
         space = self.namespace(scope, model_id, layout)
-        self._recent[space] = tuple(hashes[:RECENT_BLOCKS])
-        self._recent.move_to_end(space)
-        while len(self._recent) > MAX_RECENT:
+        runs.pop(space, None)
+        runs[space] = tuple(hashes[:RECENT_BLOCKS])
+        while len(runs) > MAX_RECENT_PER_SCOPE:
+            runs.popitem(last=False)
+        while len(self._recent) > MAX_RECENT_SCOPES:
             self._recent.popitem(last=False)
 
     def recent(self, scope: str, model_id: str, layout: str, max_blocks: int) -> tuple[bytes, ...]:
@@ -206,7 +219,8 @@ class PrefixIndex:
         at most ``max_blocks``."""
         space = self.namespace(scope, model_id, layout)
         run = []
-        for h in self._recent.get(space, ())[:max_blocks]:
+        runs = self._recent.get(scope)
+        for h in (runs.get(space, ()) if runs is not None else ())[:max_blocks]:
             if self.key(space, h) not in self.store.tensors:
                 break
             run.append(h)

@@ -347,6 +347,16 @@ def test_an_async_acquire_leaves_the_event_loop_free_and_fails_like_a_blocking_o
                 await c.acquire_async(untrusted, 2, 4096)
             assert failed.value.code == "untrusted_manifest"
             assert (await c.acquire_async(manifest))[1] is None  # no blocks asked for
+            # One request at a time: a second one while the first awaits its reply is refused
+            # at once (it would read the first's reply and close the session), sync or async.
+            first = asyncio.create_task(c.acquire_async(manifest))
+            await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="in flight"):
+                await c.acquire_async(manifest)
+            with pytest.raises(RuntimeError, match="in flight"):
+                c.stats()
+            assert set((await first)[0]) == {e.name for e in manifest.tensors}
+            assert c.stats()["pinned_bytes"] > 0  # the session goes on
             pending = asyncio.create_task(c.acquire_async(manifest))
             await asyncio.sleep(0)  # sent, its reply not read yet
             pending.cancel()

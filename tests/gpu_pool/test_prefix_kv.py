@@ -12,6 +12,7 @@ from gpu_pool.client import KVBlocks, PoolClient, PrefixPrefetch, RemotePoolErro
 from gpu_pool.config import PoolConfig
 from gpu_pool.errors import ConfigError, Forbidden, InvalidArgument, ProtocolError
 from gpu_pool.manifest import Manifest
+from gpu_pool.server import prefix_kv
 from gpu_pool.server.kv_copy import INLINE_COPY_BYTES
 from gpu_pool.wire import messages
 from tests.conftest import PoolProcess, random_tensors, write_entry
@@ -241,7 +242,8 @@ def test_an_acquire_brings_the_prefix_its_scope_last_restored_first(
         assert read_blocks(c, list(kv.block_ids[:3]), offsets) == contents
         assert read_blocks(c, list(kv.block_ids[3:]), offsets) == [bytes(BLOCK)] * 2
         assert c.stats()["kv_bytes"] == 5 * BLOCK
-    for num_blocks, max_blocks, expected in ((4, 2, 2), (2, 8, 2)):
+    # (an offer: a max_blocks beyond what the wire allows is cut to it, not refused)
+    for num_blocks, max_blocks, expected in ((4, 2, 2), (2, 8, 2), (4, 2 * messages.MAX_PREFIX_BLOCKS, 3)):
         with scoped(pool_process) as d:
             kv = prefetch(d, manifest, num_blocks, max_blocks)
             assert kv.prefix_hashes == tuple(hashes[:expected]) and len(kv.block_ids) == num_blocks
@@ -298,3 +300,55 @@ def test_prefix_prefetch_fields_are_checked() -> None:
     ):
         with pytest.raises(kind):
             messages.parse(bad)
+
+
+def test_remembered_prefixes_are_bounded_per_scope(pool_process: PoolProcess, manifest: Manifest) -> None:
+    """A scope keeps its ``MAX_RECENT_PER_SCOPE`` most recent (model, layout) runs, and one
+    scope remembering many (any hashes, any layouts) never pushes out another's: one function
+    cannot fill the daemon's memory or wipe the other functions' prefetches."""
+    hashes = [os.urandom(16) for _ in range(2)]
+    with scoped(pool_process) as a:  # scope "f": a published, remembered run
+        a.acquire(manifest)
+        ids, _ = fill(a, 2, seed=70)
+        assert a.kv_publish("m", LAYOUT, hashes, ids) == 2
+        assert a.kv_restore("m", LAYOUT, hashes, ids, first=True) == 2
+
+    def prefetched(client: PoolClient, layout: str) -> tuple[bytes, ...]:
+        _, kv = asyncio.run(client.acquire_async(manifest, 2, BLOCK, PrefixPrefetch("m", layout, 8)))
+        assert kv is not None
+        return kv.prefix_hashes
+
+    with scoped(pool_process, "evil") as e:
+        e.acquire(manifest)
+        ids, _ = fill(e, 1, seed=71)
+        layouts = [f"bf16-bs16-{i}" for i in range(prefix_kv.MAX_RECENT_PER_SCOPE + 1)]
+        for i, layout in enumerate(layouts):
+            own = [bytes([i]) * 16]
+            assert e.kv_publish("m", layout, own, ids) == 1
+            assert e.kv_restore("m", layout, own, ids, first=True) == 1
+    with scoped(pool_process, "evil") as e:
+        assert prefetched(e, layouts[0]) == ()  # the oldest of its runs went
+        assert prefetched(e, layouts[-1]) == (bytes([len(layouts) - 1]) * 16,)
+    with scoped(pool_process) as f:
+        assert prefetched(f, LAYOUT) == tuple(hashes)
+
+
+def test_keep_kv_is_asked_only_of_a_daemon_that_says_it_keeps_them(
+    pool_process: PoolProcess, manifest: Manifest
+) -> None:
+    """``hello`` names what the daemon does beyond the protocol's first form. A daemon from
+    before ``keep_kv`` ignores the field and frees the blocks (the session's engine would then
+    hand out blocks the pool gives to others): the client refuses to ask such a daemon, before
+    anything is sent, and the blocks stay the session's until a plain release."""
+    with scoped(pool_process) as c:
+        assert {"keep_kv", "prefix_prefetch"} <= c.features and c.keeps_kv
+        c.acquire(manifest)
+        fill(c, 2, seed=80)
+        c.release(keep_kv=True)
+        assert c.stats()["kv_bytes"] == 2 * BLOCK and c.stats()["pinned_bytes"] == 0
+        c.features = frozenset()  # as an older daemon's hello (no "features") leaves it
+        with pytest.raises(ProtocolError, match="does not keep KV"):
+            c.release(keep_kv=True)
+        assert c.stats()["kv_bytes"] == 2 * BLOCK
+        c.release()
+        assert c.stats()["kv_bytes"] == 0

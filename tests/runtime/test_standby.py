@@ -270,7 +270,6 @@ ECHO = """async def handler(event, context):
 """
 
 
-@pytest.mark.slow
 def generate(engine: Any, prompt: list[int]) -> tuple[list[int], int]:
     """A greedy request run to its end by stepping ``engine`` here: its tokens and cached tokens."""
     seq_id = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -283,7 +282,8 @@ def generate(engine: Any, prompt: list[int]) -> tuple[list[int], int]:
     return tokens, cached
 
 
-@pytest.mark.parametrize("prepared_by", ["prepare", "hand"])
+@pytest.mark.slow
+@pytest.mark.parametrize("prepared_by", ["prepare", "hand", "moved"])
 def test_a_start_brings_the_prefix_its_functions_last_start_restored(
     tmp_path: Path, prepared_by: str
 ) -> None:
@@ -293,11 +293,15 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
     holds no blocks (made by hand here, as when the pool had no room for them then), the
     activation's acquire brings them with the weights. Either way the activation is one round
     trip and the next first request with that prompt finds the prefix in its own engine,
-    without a ``kv_restore`` round trip, reports it as cached and computes the same tokens."""
+    without a ``kv_restore`` round trip, reports it as cached and computes the same tokens.
+    When the weights moved while the standby waited (``moved``: the activation rebuilds the
+    engine on the new placements), the new engine takes its first blocks with the prefix
+    again (two more round trips: the old engine's blocks freed, the new ones taken)."""
     tiny = register_tiny(tmp_path)
     pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
     document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
     prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16
+    watched: list[PoolClient] = []  # closed before the pool stops (its watch would end pytest)
 
     async def scenario() -> None:
         template = load_template(tiny.directory)
@@ -312,10 +316,12 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
         first.close()
 
         prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, tickets[1], 1 << 20)
-        if prepared_by == "prepare":
+        if prepared_by in ("prepare", "moved"):
             standby, _ = await prepare(WorkerState(), prepared)
             assert len(standby.binding.engine.blocks.cached) == 2  # before the activation
             assert standby.client.watched  # its pool's death ends it; the activation starts no thread
+            if prepared_by == "moved":  # as if evicted and loaded elsewhere meanwhile
+                standby.placements = {name: offset + 1 for name, offset in standby.placements.items()}
         else:
             client = PoolClient(pool.socket_path, ticket=tickets[1])
             placements = client.acquire_placements(template.manifest, access=False)
@@ -323,6 +329,7 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
             client.release()
             standby = Standby(prepared, binding, client, placements, None)
         client = standby.client
+        watched.append(client)
         counted = CountingSocket(client._sock)
         client._sock = counted
         message = AssignMessage(
@@ -330,11 +337,12 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
         )
         assignment, _ = await activate(standby, message)
         engine = assignment.binding.engine
+        activation_writes = 3 if prepared_by == "moved" else 1
         try:
             assert client.watched
-            assert counted.writes == 1 and len(engine.blocks.cached) == 2
+            assert counted.writes == activation_writes and len(engine.blocks.cached) == 2
             tokens, cached = generate(engine, prompt)
-            assert counted.writes == 1, "the first request asked the pool for its prefix"
+            assert counted.writes == activation_writes, "the first request asked the pool for its prefix"
             assert cached == 32 and engine.blocks.stats.restored_tokens == 32
             assert tokens == expected
         finally:
@@ -345,9 +353,12 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
     try:
         asyncio.run(scenario())
     finally:
+        for client in watched:
+            client.close()
         pool.stop()
 
 
+@pytest.mark.slow
 def test_a_custom_handler_fetches_no_kv_blocks_it_may_never_use(tmp_path: Path) -> None:
     home, document, source = custom_function(tmp_path, "echo", ECHO)
 
