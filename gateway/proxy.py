@@ -124,6 +124,8 @@ class Invoker:
         return task
 
     async def _preconnect(self, url: str, token: str) -> None:
+        if self.http.closed:  # closing: an announcement that came too late (nothing to keep)
+            return
         health, headers = self._url(url, "/healthz"), {WORKER_TOKEN_HEADER: token}
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.http.get(health, headers=headers, timeout=PRECONNECT_TIMEOUT) as resp:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 
 # The same values as scheduler.launcher's (the runtime does not import the scheduler).
 INSTANCE_HEADER = "x-ember-instance-id"
@@ -53,17 +54,35 @@ class EarlyRequests:
         self._ended.set()
         self._ended = asyncio.Event()
 
+    def can_hold(self, deadline: str | None) -> bool:
+        """Whether :meth:`hold` would hold a request with ``deadline`` now."""
+        return not self.refusing and self.num_held < self.max_held and self._timeout_s(deadline) > 0
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """A request read and prepared ahead of its hold (``runtime.worker``) counts as held
+        meanwhile: :data:`MAX_HELD` bounds that work too."""
+        self.num_held += 1
+        try:
+            yield
+        finally:
+            self.num_held -= 1
+
+    def _timeout_s(self, deadline: str | None) -> float:
+        timeout_s = self.max_hold_s
+        if deadline is not None:
+            with contextlib.suppress(ValueError):  # not a number: the longest hold
+                timeout_s = min(timeout_s, float(deadline) - time.time())
+        return timeout_s if timeout_s > 0 else 0.0  # (NaN too)
+
     async def hold(self, deadline: str | None) -> bool:
         """Wait for the next assign to end; False (at once) when :data:`MAX_HELD` requests are
         held already or an assign failed, or when ``deadline`` (the request's
         ``x-ember-deadline``, epoch seconds) or :data:`MAX_HOLD_S` passes first."""
         if self.refusing or self.num_held >= self.max_held:
             return False
-        timeout_s = self.max_hold_s
-        if deadline is not None:
-            with contextlib.suppress(ValueError):  # not a number: the longest hold
-                timeout_s = min(timeout_s, float(deadline) - time.time())
-        if not timeout_s > 0:  # also NaN
+        timeout_s = self._timeout_s(deadline)
+        if not timeout_s > 0:
             return False
         self.num_held += 1
         try:  # (not wait_for: its extra task would cost the woken request two more loop turns)

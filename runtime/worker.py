@@ -345,23 +345,26 @@ def build_app(state: WorkerState) -> FastAPI:
         standby = state.standby or state.activating
         if state.assignment is not None or standby is None or standby.handler is not None:
             return None
-        if INSTANCE_HEADER not in raw.headers:
+        # Only a request the worker would hold: one it is about to refuse costs nothing here.
+        deadline = raw.headers.get("x-ember-deadline")
+        if INSTANCE_HEADER not in raw.headers or not state.early.can_hold(deadline):
             return None
-        body = await _json(raw)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            request = await parse_request_async(body, chat)
-        except RequestError as exc:
-            return _bad_request(exc)
-        binding = standby.binding
-        try:
-            prepared = await binding.prepare_all(request)
-        except Exception:  # an activation may close this binding meanwhile
-            # Prepared again after the hold, with the instance's binding: a real error is
-            # raised there (a RequestError here may name an adapter the activation attaches).
-            return Ahead(body, request, None, None)
-        return Ahead(body, request, binding, prepared)
+        with state.early.reading():  # counted as held (MAX_HELD) while it is prepared
+            body = await _json(raw)
+            if isinstance(body, JSONResponse):
+                return body
+            try:
+                request = await parse_request_async(body, chat)
+            except RequestError as exc:
+                return _bad_request(exc)
+            binding = standby.binding
+            try:
+                prepared = await binding.prepare_all(request)
+            except Exception:  # an activation may close this binding meanwhile
+                # Prepared again after the hold, with the instance's binding: a real error is
+                # raised there (a RequestError here may name an adapter the activation attaches).
+                return Ahead(body, request, None, None)
+            return Ahead(body, request, binding, prepared)
 
     async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
         early = await ahead(raw, chat) if body is None else None

@@ -214,6 +214,9 @@ def test_a_preconnected_worker_takes_its_early_request_on_the_connection_already
             assert health[0] == "/healthz" and health[2] == "worker-token"
             assert invoke[0] == "/invoke" and invoke[2] == "worker-token"
             assert invoke[1] == health[1]  # the same client port: the connection preconnect opened
+            await invoker.close()
+            await invoker.preconnect(url, "worker-token")  # announced while closing: nothing, no error
+            assert len(peers) == 2
         finally:
             await invoker.close()
             await runner.cleanup()

@@ -56,6 +56,13 @@ def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
         assert await early.hold(f"{time.time() + 0.1:.3f}") is False
         assert 0.05 < time.monotonic() - t0 < 2.0 and early.num_held == 0
         assert await early.hold("nan") is False
+        # can_hold says what hold would do now; a request read ahead of its hold counts as held.
+        assert early.can_hold(None) and early.can_hold(f"{time.time() + 5:.3f}")
+        assert not early.can_hold(f"{time.time() - 1:.3f}")
+        with early.reading(), early.reading():
+            assert early.num_held == 2 and not early.can_hold(None)
+            assert await early.hold(None) is False
+        assert early.num_held == 0 and early.can_hold(None)
         # A deadline that is not a number holds for max_hold_s at most.
         quick = EarlyRequests(max_hold_s=0.05)
         assert await quick.hold("soon") is False
@@ -241,6 +248,10 @@ def test_a_request_sent_to_a_standby_is_read_and_checked_before_its_activation(t
                 assert bad.json()["error"]["param"] == "max_tokens"
                 not_json = await http.post("/v1/completions", content=b"{", headers=early)
                 assert not_json.status_code == 400 and time.monotonic() - t0 < 10.0, not_json.text
+                # One it would not hold (its deadline passed) is not read ahead: it never ran.
+                late = {**early, "x-ember-deadline": f"{time.time() - 1:.3f}"}
+                never = await http.post("/v1/completions", content=b"{", headers=late)
+                assert never.status_code == 503 and never.headers[NEVER_RAN_HEADER] == "2", never.text
 
             # The model is evicted and another takes its place: the activation rebuilds the
             # engine on new placements, and the request read ahead is served by the new one.
