@@ -204,11 +204,11 @@ class PrefixIndex:
         them: its next start prefetches them). An empty run is not kept."""
         if not hashes:
             return
-        runs = self._recent.pop(scope, None) or OrderedDict()
-        self._recent[scope] = runs  # the most recently remembered scope now
+        runs = self._recent.setdefault(scope, OrderedDict())
+        self._recent.move_to_end(scope)  # the most recently remembered scope now
         space = self.namespace(scope, model_id, layout)
-        runs.pop(space, None)
         runs[space] = tuple(hashes[:RECENT_BLOCKS])
+        runs.move_to_end(space)
         while len(runs) > MAX_RECENT_PER_SCOPE:
             runs.popitem(last=False)
         while len(self._recent) > MAX_RECENT_SCOPES:
