@@ -217,9 +217,14 @@ class Invoker:
                     self.metrics.errors.labels(name, "instance_failed").inc()
                     raise InvocationError(f"instance {route.instance_id} of {name!r} failed: {exc}") from None
                 raise
-            if route.early and _never_ran(upstream, route.instance_id):  # its activation failed first
-                upstream.close()  # that worker is being ended
-                await self.router.instance_lost(name, route, keep_alive)  # frees the slot
+            # The instance never ran it: its activation failed first (an early route), or it
+            # ended with its pool before the request came (runtime.survivors).
+            if _never_ran(upstream, route.instance_id):
+                upstream.close()  # that worker is being ended, or waits to be assigned again
+                if route.early:
+                    await self.router.instance_lost(name, route, keep_alive)  # frees the slot
+                else:  # (the agent may learn of the pool's death a moment after the worker)
+                    await self._lost(name, route, keep_alive)
                 # Route again, to the process the launch tries next or a ready instance: as
                 # often as starts fail for want of room, say, as a waiting request would wait
                 # (it never ran; each try is another process's activation), until its deadline.
@@ -300,8 +305,9 @@ class Invoker:
 
 
 def _never_ran(upstream: aiohttp.ClientResponse, instance_id: str) -> bool:
-    """Whether a worker answered a request it held for the activation of ``instance_id`` that
-    the request never ran (:data:`scheduler.launcher.NEVER_RAN_HEADER`, with the 503
+    """Whether a worker answered that a request for ``instance_id`` never ran: held for an
+    activation that failed, or come after the instance ended with its pool
+    (:data:`scheduler.launcher.NEVER_RAN_HEADER`, with the 503
     :data:`~scheduler.launcher.NOT_STARTED`)."""
     return upstream.status == 503 and upstream.headers.get(NEVER_RAN_HEADER) == instance_id
 

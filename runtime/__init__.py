@@ -10,7 +10,9 @@ The node agent (:mod:`runtime.agent`) is made of :mod:`runtime.device_pools` (th
 daemons and their supervision), :mod:`runtime.warm_pool` (the pre-warmed workers),
 :mod:`runtime.standby_pool` (workers prepared for functions that scaled to zero; the worker
 side is :mod:`runtime.assignment`; requests sent ahead of an activation wait in
-:mod:`runtime.early_requests`),
+:mod:`runtime.early_requests`), :mod:`runtime.survivors` (workers whose instances ended with
+their pool daemon, assigned their function again once it is back; the worker side is
+:mod:`runtime.worker_state`),
 :mod:`runtime.worker_handle` (one worker as the agent sees it), :mod:`runtime.worker_client`
 (its HTTP client for the workers), :mod:`runtime.device_report`
 (the scheduler's device record) and :mod:`runtime.agent_config`. It talks to workers in

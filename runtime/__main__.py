@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         "--mesh-fd", type=int, default=None, help="socketpair end for the agent's token scheduler"
     )
     parser.add_argument("--mesh-page-fd", type=int, default=None, help="memfd of its state page")
+    parser.add_argument(
+        "--survive-pool-loss",
+        action="store_true",
+        help="when the pool dies, end the instance but wait to be assigned its function again",
+    )
     args = parser.parse_args(argv)
     try:
         guard = GuardConfig.from_env(sys.stdin.readline(4096).strip(), args.max_body_bytes)
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         function_layer=layer,
         mesh_fd=args.mesh_fd,
         mesh_page_fd=args.mesh_page_fd,
+        survive_pool_loss=args.survive_pool_loss,
     )
     return 0
 

@@ -11,9 +11,11 @@ stats are reported through ``report`` (the scheduler's device record). The agent
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
 Its parts, one module each: :mod:`runtime.device_pools` (the pool daemons and their
-supervision: when one dies, the instances on its device are killed, since their pool session
-is gone and their state is not to be trusted, and the router forgets them because
+supervision: when one dies, the instances on its device end, since their pool session is gone
+and their state is not to be trusted, and the router forgets them because
 :meth:`NodeAgent.alive` turns false; launches on that device wait for the restart),
+:mod:`runtime.survivors` (the workers of those instances, which the function's next start
+assigns again instead of a pre-warmed worker),
 :mod:`runtime.warm_pool` (the pre-warmed workers: credentials, sandbox, resource limits and capabilities
 (:mod:`runtime.worker_limits`), start backoff, stale
 workers replaced after a pool restart), :mod:`runtime.worker_handle` (one worker as the agent
@@ -52,6 +54,7 @@ from runtime.mesh.grant_server import DeviceGrants
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
 from runtime.process import boost
 from runtime.standby_pool import OnStandby, Standbys, function_name, kv_scope
+from runtime.survivors import Survivors
 from runtime.warm_pool import WarmPool
 from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
 from runtime.worker_handle import WorkerHandle
@@ -119,6 +122,9 @@ class NodeAgent:
         self._workers = WarmPool(config, self._http, self._pools.sockets)
         self._standbys = Standbys(config, self._http, self._workers, self._grant_ticket)
         self._instances: dict[str, WorkerHandle] = {}
+        self._survivors = Survivors(config)  # instances' workers whose pool died (runtime.survivors)
+        # Instances that ended with their pool, until the router forgets them (stop()).
+        self._pool_ended: set[str] = set()
         self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
         self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
@@ -180,6 +186,7 @@ class NodeAgent:
         await asyncio.gather(
             self._workers.close(),
             self._standbys.close(),
+            self._survivors.close(),
             *(w.terminate(self.config.drain_timeout_s) for w in instances),
             return_exceptions=True,
         )
@@ -229,6 +236,8 @@ class NodeAgent:
         )
         started = await self._from_standby(start)
         if started is None:
+            started = await self._from_survivor(start)
+        if started is None:
             started = await self._from_prewarmed(start)
         worker, message, reply = started
         log_path = await self._install(start, worker, message)
@@ -264,7 +273,10 @@ class NodeAgent:
             name = function_name(start.spec)
             log_path = self.config.log_dir / "functions" / name / f"instance-{instance_id}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
+            if worker.assigned is None:
+                os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
+            else:  # a survivor's: its instance that ended keeps its log (one file, two names)
+                os.link(worker.log_path, log_path)
             worker.log_path = log_path
             worker.device = device
             worker.threads = start.threads
@@ -303,12 +315,32 @@ class NodeAgent:
             dict(start.model.get("adapters") or {}),
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
+        return await self._assign_or_fall_back(worker, message, start, "standby")
+
+    async def _from_survivor(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply] | None:
+        """Assign the function again to a worker whose instance of it ended with its pool
+        (:mod:`runtime.survivors`); None when there is none or it failed (then ended)."""
+        worker = await self._survivors.take(start.spec, start.model["dir"], start.device)
+        if worker is None:
+            return None
+        try:
+            message = await self._assign_message(start)
+        except BaseException:
+            await worker.terminate(self.config.drain_timeout_s)
+            raise
+        return await self._assign_or_fall_back(worker, message, start, "survivor")
+
+    async def _assign_or_fall_back(
+        self, worker: WorkerHandle, message: AssignMessage, start: _Start, kind: str
+    ) -> tuple[WorkerHandle, AssignMessage, AssignReply] | None:
+        """Assign ``message`` to ``worker`` (a ``kind``: standby or survivor); None when that
+        failed (the worker is ended): the start goes on from a pre-warmed worker."""
         try:
             return worker, message, await self._assign(worker, message, start.on_target)
         except _InitFailed:  # the function's own initializer: it would fail on any worker
             raise
         except LaunchError as exc:  # the ordinary start still can
-            log.warning("standby failed, %s starts from a pre-warmed worker: %s", start.instance_id, exc)
+            log.warning("%s failed, %s starts from a pre-warmed worker: %s", kind, start.instance_id, exc)
             return None
 
     async def _from_prewarmed(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply]:
@@ -454,6 +486,7 @@ class NodeAgent:
     async def stop(self, instance_id: str, standby: bool = False) -> None:
         """Drain and stop an instance (SIGTERM, SIGKILL after the drain timeout); ``standby``:
         it idled out, prepare a standby for its function (:mod:`runtime.standby_pool`)."""
+        self._pool_ended.discard(instance_id)
         worker = self._instances.pop(instance_id, None)
         if worker is not None:
             if worker.device in self._grants:
@@ -464,8 +497,10 @@ class NodeAgent:
             await self._share_cores()
 
     async def retire(self, name: str) -> None:
-        """``name`` (the function's qualified id) was deleted or redeployed: its standby ends."""
+        """``name`` (the function's qualified id) was deleted or redeployed: its standby and
+        survivors end."""
         await self._standbys.end(name)
+        await self._survivors.end(name)
 
     async def _share_cores(self, measure: bool = False) -> None:
         """Give each CPU instance its share of intra-op threads (:mod:`runtime.cpu_share`: the
@@ -500,7 +535,7 @@ class NodeAgent:
         return worker is not None and worker.running
 
     def owns(self, instance_id: str) -> bool:
-        return instance_id in self._instances
+        return instance_id in self._instances or instance_id in self._pool_ended
 
     def instance_pid(self, instance_id: str) -> int | None:
         worker = self._instances.get(instance_id)
@@ -516,6 +551,7 @@ class NodeAgent:
         """Read every pool's stats and publish them as device records (and end standbys past
         their time)."""
         await self._standbys.expire()
+        await self._survivors.expire()
         out: dict[str, dict[str, Any]] = {}
         for device, pool in self.pools.items():
             if not self.pool_alive(device):
@@ -565,13 +601,24 @@ class NodeAgent:
         return self._workers.any_ready()
 
     async def _pool_died(self, device: str) -> None:
-        """Fail the instances on ``device`` fast and mark the workers that mapped its arena."""
+        """Fail the instances on ``device`` fast (kept as survivors, :mod:`runtime.survivors`,
+        or killed) and mark the workers that mapped its arena."""
         standbys = self._standbys.pool_died(device)  # forgotten here: their lines close now
-        victims = [w for w in self._instances.values() if w.device == device] + standbys
+        victims = list(standbys)
+        for instance_id, worker in list(self._instances.items()):
+            if worker.device != device:
+                continue
+            del self._instances[instance_id]  # alive() is false at once: the router forgets it
+            self._pool_ended.add(instance_id)
+            if device in self._grants:
+                self._grants[device].detach(instance_id)
+            if self._survivors.enabled and worker.running:
+                self._survivors.add(worker, device)  # it ends its instance itself
+            else:
+                victims.append(worker)
         for worker in victims:  # SIGKILL: its session and KV blocks are gone, nothing to drain
             worker.kill()
-        for worker in standbys:  # (an instance's close at its stop(), after its grants detach)
-            worker.close_lines()
+            worker.close_lines()  # (detached from the grants above)
         self._workers.mark_stale()
         if victims:  # reaped here so that alive() turns false at once (bounded: never hang)
             await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in victims], timeout=5.0)

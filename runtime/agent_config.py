@@ -23,6 +23,9 @@ class AgentConfig:
     # many per node, each for at most standby_ttl_s (0: none).
     standby: int = 2
     standby_ttl_s: float = 600.0
+    # An instance's worker outlives its pool daemon's death for this long (s), waiting to be
+    # the function's next instance on the restarted pool (runtime.survivors; 0: it is killed).
+    survivor_keep_s: float = 30.0
     node: str = field(default_factory=socket.gethostname)
     worker_start_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
@@ -60,6 +63,8 @@ class AgentConfig:
             raise ValueError("parallel_starts must be >= 1")
         if self.prewarm < 0:
             raise ValueError("prewarm must be >= 0")
+        if not 0 <= self.survivor_keep_s <= 3600:
+            raise ValueError("survivor_keep_s must be in [0, 3600]")
         if not 0 <= self.standby <= 64 or not self.standby_ttl_s > 0:
             raise ValueError("standby must be in [0, 64] and standby_ttl_s > 0")
         if not self.node or "/" in self.node:

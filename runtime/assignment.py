@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -102,9 +103,13 @@ class Workspace(Protocol):
 
     def template(self, model_dir: str, warm: bool = False) -> ModelTemplate: ...
 
+    def pool_lost(self) -> None:
+        """Called from a pool session's watch thread when its pool daemon is gone."""
+
 
 def pool_lost() -> None:
-    """Called from the pool client's watch thread when the pool daemon is gone."""
+    """A worker's own reaction to its pool's death when nobody reuses it (a standalone or a
+    pod's worker): drain and exit; it is started again on the restarted pool."""
     log.error("the pool daemon went away: draining and exiting")
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -149,15 +154,19 @@ def _import_handler(ref: str) -> LoadedHandler | None:
 
 
 async def _serve(
-    message: AssignMessage, binding: ModelBinding, client: Any, handler: LoadedHandler | None
+    message: AssignMessage,
+    binding: ModelBinding,
+    client: Any,
+    handler: LoadedHandler | None,
+    on_pool_lost: Callable[[], None],
 ) -> Assignment:
     """Start serving: watch the pool, drive the engine, run the handler's initializer (a custom
     handler's). On failure the binding and the session are closed."""
-    # An instance whose pool died cannot allocate KV or trust its weights' residency: it drains
-    # (SIGTERM: no new connections, in-flight requests finish) and exits, and is started again
-    # on the restarted pool. A standby's session is watched since its preparation.
+    # An instance whose pool died cannot allocate KV or trust its weights' residency: it ends
+    # (``on_pool_lost``: :meth:`Workspace.pool_lost`) and is started again on the restarted
+    # pool. A standby's session is watched since its preparation.
     if not client.watched:
-        client.watch(pool_lost)
+        client.watch(on_pool_lost)
     loop = asyncio.get_running_loop()
     driver = asyncio.create_task(binding.engine.run_forever())  # steps the engine between requests
     runner = None
@@ -205,7 +214,7 @@ async def assign(state: Workspace, message: AssignMessage) -> tuple[Assignment, 
             raise
 
     binding, client = await asyncio.to_thread(attach)
-    assignment = await _serve(message, binding, client, handler)
+    assignment = await _serve(message, binding, client, handler, state.pool_lost)
     timings = {
         "sandbox_ms": (t_sandbox - t0) * 1e3,
         "template_ms": (t_template - t_sandbox) * 1e3,
@@ -241,7 +250,7 @@ async def prepare(state: Workspace, message: StandbyMessage) -> tuple[Standby, S
             # Watched from now on: its pool's death ends it (its session, the arena it maps
             # and its KV blocks are gone), and the activation starts no thread (~0.1-0.5 ms
             # on a busy 2-core host, on the cold path).
-            client.watch(pool_lost)
+            client.watch(state.pool_lost)
             return binding, client, placements
         except BaseException:
             client.close()
@@ -303,9 +312,13 @@ async def _acquire(binding: ModelBinding, client: Any, prefetch_kv: bool) -> tup
     )
 
 
-async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment, AssignReply]:
+async def activate(
+    standby: Standby, message: AssignMessage, on_pool_lost: Callable[[], None] = pool_lost
+) -> tuple[Assignment, AssignReply]:
     """Turn ``standby`` into instance ``message.instance_id`` (:class:`StandbyMismatch` when
-    ``message`` assigns something else). A failed acquire or initializer closes the standby."""
+    ``message`` assigns something else). A failed acquire or initializer closes the standby.
+    ``on_pool_lost``: called when the pool dies, unless the standby's session is watched
+    already (:func:`prepare` watches it)."""
     if not standby.message.activated_by(message):
         raise StandbyMismatch(f"this worker is a standby of {standby.name!r} for another assignment")
     t0 = time.perf_counter()
@@ -336,7 +349,7 @@ async def activate(standby: Standby, message: AssignMessage) -> tuple[Assignment
     except BaseException:
         standby.close()
         raise
-    assignment = await _serve(message, binding, client, standby.handler)
+    assignment = await _serve(message, binding, client, standby.handler, on_pool_lost)
     timings["assign_ms"] = timings["activate_ms"] = (time.perf_counter() - t0) * 1e3
     binding.timings_ms = timings
     return assignment, AssignReply(message.instance_id, timings, binding.acquire_report)

@@ -43,8 +43,9 @@ from runtime.drain import Lifecycle, listen, serve_draining
 from runtime.heartbeat import Heartbeat
 from runtime.intra_op import claim_engine_thread
 from runtime.messages import AssignMessage
-from runtime.worker import WorkerState, build_app
+from runtime.worker import build_app
 from runtime.worker_guard import GuardConfig, WorkerGuard
+from runtime.worker_state import WorkerState
 
 PORT_ENV = "PORT"
 DEFAULT_PORT = 8080

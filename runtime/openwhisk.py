@@ -64,8 +64,8 @@ from runtime.messages import AssignMessage
 from runtime.openai_api import CompletionRequest, RequestError, parse_request_async
 from runtime.openai_response import completion_body
 from runtime.openai_tools import tool_message
-from runtime.worker import WorkerState
 from runtime.worker_guard import BodyLimit
+from runtime.worker_state import WorkerState
 
 SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
 PORT = 8080  # OpenWhisk reaches a blackbox action's container on 8080

@@ -173,6 +173,8 @@ class WarmPool:
         for socket_path in self._pool_sockets():
             args += ["--premap", socket_path]
         args += ["--max-body-bytes", str(config.worker_max_body_bytes), *config.limits.args()]
+        if config.survivor_keep_s > 0:  # the agent reuses it after a pool death (runtime.survivors)
+            args.append("--survive-pool-loss")
         env = worker_environment(os.environ)  # function code inherits no secret
         env["EMBER_HOME"] = str(config.home)  # handlers load from (and are confined to) its functions/
         if config.sandbox.enabled:

@@ -35,8 +35,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
@@ -46,14 +44,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
 from gpu_pool.errors import PoolError
-from runtime.assignment import Assignment, Standby, StandbyMismatch, activate, assign, prepare
-from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
+from runtime.assignment import Assignment, StandbyMismatch, activate, assign, prepare
+from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, error_body, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
-from runtime.instance import ModelBinding, ModelTemplate, Prepared, load_template, warm_up
+from runtime.instance import ModelBinding, Prepared
 from runtime.intra_op import claim_engine_thread, set_engine_threads
 from runtime.messages import AssignMessage, MessageError, PreloadMessage, StandbyMessage, ThreadsMessage
 from runtime.openai_api import ChatRequest, CompletionRequest, RequestError, parse_request_async
@@ -64,6 +62,7 @@ from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.server_timing import ServerTiming
 from runtime.worker_guard import AUTHORIZED, GuardConfig, WorkerGuard
+from runtime.worker_state import WorkerState
 
 DEFAULT_HANDLER = "default"
 # Idle keep-alive of the worker's connections (s): longer than the gateway's pool keeps an
@@ -83,66 +82,20 @@ class Ahead(NamedTuple):
     prepared: Prepared | None
 
 
-@dataclass
-class WorkerState:
-    """Everything a worker holds: preloaded templates and, once assigned, its function."""
-
-    templates: dict[str, ModelTemplate] = field(default_factory=dict)
-    mapped: dict[str, Any] = field(default_factory=dict)  # pool socket -> gpu_pool.client.MappedArena
-    assignment: Assignment | None = None
-    standby: Standby | None = None  # prepared for one function (runtime.assignment), until assigned
-    activating: Standby | None = None  # the standby being activated, while it is
-    assigning: bool = False  # an assign or a standby is being prepared
-    early: EarlyRequests = field(default_factory=EarlyRequests)  # requests held for the assign
-    sandbox: FunctionSandbox = field(default_factory=lambda: FunctionSandbox(None))
-    # This worker's end of its socketpair with the agent's token scheduler (runtime.mesh).
-    mesh_sock: socket.socket | None = None
-    mesh_page: Any = None  # mmap.mmap of the state page it publishes (runtime.mesh.state_page)
-
-    def schedule_tokens(self, message: AssignMessage) -> None:
-        """Let the agent's token scheduler grant this instance's iterations, when it asks to."""
-        if not message.token_scheduling or self.mesh_sock is None or self.assignment is None:
-            return
-        from runtime.mesh.gate import Gate
-        from runtime.mesh.slo import slo_of
-        from runtime.mesh.state_page import StatePage
-        from runtime.mesh.time_table import TimeTable
-
-        page = StatePage(memoryview(self.mesh_page)) if self.mesh_page is not None else None
-        binding = self.assignment.binding
-        raw = binding.template.profile.get("time_table")
-        try:
-            table = TimeTable.from_json(raw) if raw is not None else None
-        except ValueError:
-            table = None  # no calibration; the agent reads the same profile and says so
-        binding.engine.schedule_with(Gate(self.mesh_sock, page), slo_of(message.spec), table)
-
-    def template(self, model_dir: str, warm: bool = False) -> ModelTemplate:
-        """The template of ``model_dir`` (loaded once); ``warm`` also runs :func:`warm_up` on it."""
-        if model_dir not in self.templates:
-            template = load_template(Path(model_dir))
-            if warm:
-                warm_up(template)
-            self.templates[model_dir] = template
-        return self.templates[model_dir]
-
-    def close(self) -> None:
-        if self.standby is not None:
-            self.standby.close()
-            self.standby = None
-        a = self.assignment
-        if a is not None:
-            a.driver.cancel()
-            a.binding.engine.close()
-            a.client.close()
-            self.assignment = None
-
-
 def _error(
     status: int, kind: str, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     """Every error answer of the worker: OpenAI's error object (:func:`runtime.errors.error_body`)."""
     return JSONResponse(error_body(kind, message, param, code), status_code=status)
+
+
+def _never_ran(instance_id: str, why: str) -> JSONResponse:
+    """503 :data:`NOT_STARTED`: a request for ``instance_id`` did not run here, and the gateway
+    may send it elsewhere (:data:`NEVER_RAN_HEADER`)."""
+    response = _error(503, NOT_STARTED, why)
+    response.headers[NEVER_RAN_HEADER] = instance_id
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _bad_request(exc: RequestError) -> JSONResponse:
@@ -265,7 +218,7 @@ def build_app(state: WorkerState) -> FastAPI:
                 else:
                     state.activating = standby
                     try:
-                        state.assignment, reply = await activate(standby, message)
+                        state.assignment, reply = await activate(standby, message, state.pool_lost)
                     except StandbyMismatch:
                         state.standby = standby  # untouched: the agent ends this worker
                         raise
@@ -275,6 +228,7 @@ def build_app(state: WorkerState) -> FastAPI:
                 if body:  # (not the rehearsal's empty body: runtime.rehearsal)
                     state.early.refuse()
                 raise
+            state.released = None
             state.schedule_tokens(message)
             # The requests held for this activation go first (one loop turn): this reply is not
             # on their path, only on the agent's way to recording the instance ready.
@@ -324,16 +278,20 @@ def build_app(state: WorkerState) -> FastAPI:
         instance it names ended waits for it (:mod:`runtime.early_requests`)."""
         a = state.assignment
         instance_id = raw.headers.get(INSTANCE_HEADER)
+        released = state.released
+        if a is None and released is not None and instance_id in (None, released):
+            return _ended(released)  # its pool died (WorkerState.release): routed again
         if instance_id is None:
             return a if a is not None else _error(409, "not_assigned", "this worker serves no function yet")
         if a is None and await state.early.hold(raw.headers.get("x-ember-deadline")):
             a = state.assignment
         if a is None or a.instance_id != instance_id:
             why = f"instance {instance_id} did not start here; the request never ran"
-            response = _error(503, NOT_STARTED, why)
-            response.headers[NEVER_RAN_HEADER] = instance_id
-            return response
+            return _never_ran(instance_id, why)
         return a
+
+    def _ended(instance_id: str) -> JSONResponse:
+        return _never_ran(instance_id, f"instance {instance_id} ended with its pool; the request never ran")
 
     async def ahead(raw: Request, chat: bool) -> Ahead | JSONResponse | None:
         """A request sent ahead of its instance's activation to a standby of the default
@@ -393,6 +351,8 @@ def build_app(state: WorkerState) -> FastAPI:
             arrival = await a.binding.engine.admit(len(ids), request.n)
         except RequestFailed as exc:
             return _failed(exc)
+        if state.assignment is not a:  # it ended with its pool meanwhile (WorkerState.release)
+            return _ended(a.instance_id)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         echo = request.prompt if isinstance(request, CompletionRequest) and request.echo else None
         hang_up = HangUp()
@@ -455,6 +415,8 @@ def build_app(state: WorkerState) -> FastAPI:
         event = await _json(raw)
         if isinstance(event, JSONResponse):
             return event
+        if state.assignment is not a:  # it ended with its pool meanwhile (WorkerState.release)
+            return _ended(a.instance_id)
         if a.runner is None:  # the default handler: an event is a chat or a completion request
             if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
                 return _error(
@@ -497,6 +459,7 @@ def serve(
     function_layer: FunctionLayer | None = None,
     mesh_fd: int | None = None,
     mesh_page_fd: int | None = None,
+    survive_pool_loss: bool = False,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -510,6 +473,8 @@ def serve(
     worker's) confines the worker to its function's code when it is assigned. ``mesh_fd``: this
     worker's end of a socketpair with its agent's token scheduler (:mod:`runtime.mesh`);
     ``mesh_page_fd``: the memfd of the page it publishes its requests in for the agent.
+    ``survive_pool_loss``: when its pool dies, the instance ends but the process stays
+    (:meth:`WorkerState.pool_lost`), for an agent that starts the function on it again.
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -520,7 +485,7 @@ def serve(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     claim_engine_thread()  # before any pool thread starts (runtime.intra_op)
-    state = WorkerState(sandbox=FunctionSandbox(function_layer))
+    state = WorkerState(sandbox=FunctionSandbox(function_layer), survive_pool_loss=survive_pool_loss)
     if mesh_fd is not None:
         state.mesh_sock = socket.socket(fileno=mesh_fd)
     if mesh_page_fd is not None:
@@ -552,7 +517,8 @@ def serve(
         ready["token"] = guard.token
 
     async def main() -> None:
-        state.sandbox.install(asyncio.get_running_loop())  # before anything runs in a thread
+        state.loop = asyncio.get_running_loop()
+        state.sandbox.install(state.loop)  # before anything runs in a thread
         await rehearse(inner)  # the request path's lazy imports and first calls, off the cold path
         if assignment is not None:
             state.assignment, _ = await assign(state, assignment)

@@ -128,6 +128,7 @@ class Engine:
         self._work = asyncio.Event()  # set by add_request: wakes an idle run_forever
         # Token-level scheduling of the device (runtime.mesh): run_forever steps only with a grant.
         self.gate: Gate | None = None
+        self.ended: str | None = None  # why it takes no more requests (end), if it does not
         self.slo = Slo()
         self.table: TimeTable | None = None
         self.slowdown = 1.0  # measured step time / the table's (EWMA): see schedule_with
@@ -222,6 +223,8 @@ class Engine:
         """Queue a request; it joins the batch at the next step boundary. A ``constraint``
         (runtime.structured) masks its tokens to a grammar and finishes it when that completes.
         ``adapter``: the key of a LoRA adapter of the model (``LlamaModel.adapters``) it runs with."""
+        if self.ended is not None:
+            raise EngineError(self.ended)
         if adapter is not None and adapter not in self.runner.model.adapters:
             raise ValueError(f"the model has no adapter {adapter!r}")
         if not prompt_ids:
@@ -306,6 +309,24 @@ class Engine:
         out = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, message, "engine_error")
         self._deliver(out)
         return out
+
+    def end(self, message: str) -> None:
+        """Fail every request and refuse new ones (:class:`EngineError` with ``message``): the
+        instance ended under the engine (its pool died). Its KV blocks are not given back: they
+        went with the pool."""
+        self.ended = message
+        self.fail_all(message)
+
+    def fail_all(self, message: str) -> None:
+        """End every request the engine holds with an error (each stream gets ``message``)."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq in self.scheduler.waiting:  # (finished: its stream's abort has nothing to free)
+                self.scheduler.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason, seq.error = FinishReason.ERROR, message
+                self._deliver(StepOutput(seq.seq_id, None, "", FinishReason.ERROR, message, "engine_error"))
+            else:
+                self._fail(seq, message)
 
     def _deliver(self, out: StepOutput) -> None:
         queue = self._queues.get(out.seq_id)
@@ -455,14 +476,7 @@ class Engine:
                     self._calibrate(time.perf_counter() - t0)
                 except Exception as exc:
                     log.exception("engine step failed; failing every request")
-                    for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-                        if seq in self.scheduler.waiting:
-                            self.scheduler.waiting.remove(seq)
-                            self._deliver(
-                                StepOutput(seq.seq_id, None, "", FinishReason.ERROR, str(exc), "engine_error")
-                            )
-                        else:
-                            self._fail(seq, f"the engine failed: {type(exc).__name__}: {exc}")
+                    self.fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
                 finally:
                     if gate is not None:
                         self.publish_state()

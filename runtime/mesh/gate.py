@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 
 from runtime.mesh.state_page import StatePage
@@ -83,6 +84,16 @@ class Gate:
         self._verdicts.append(verdict)
         self._send(Message(Op.ADMIT, float(prompt_tokens)))
         return await verdict
+
+    def detach(self) -> None:
+        """Stop using the line but keep it open: the instance ended and the worker's next one
+        makes its own gate on it. Waiters fail; what the agent sent for this one is dropped."""
+        if self._sock.fileno() >= 0:
+            self._loop.remove_reader(self._sock.fileno())
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing left to drop
+                while self._sock.recv(SIZE):
+                    pass
+        self._fail(GateClosed("the instance ended"))
 
     def close(self) -> None:
         if self._sock.fileno() >= 0:

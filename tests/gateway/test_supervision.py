@@ -70,17 +70,23 @@ def test_pool_killed_fails_its_instances_and_heals(server: ServeProcess, http: h
     kill(pool_pid, signal.SIGKILL)
     t0 = time.monotonic()
     seen: list[tuple[int, str]] = []
-    while time.monotonic() - t0 < 30 and (alive(int(instance["pid"])) or len(seen) < 20):
+
+    def listed() -> bool:
+        return instance["id"] in {i["id"] for i in instances(http, "kept")}
+
+    while time.monotonic() - t0 < 30 and (listed() or len(seen) < 20):
         resp = http.get("/readyz")
         seen.append((resp.status_code, resp.json()["components"]["pools"]))
         time.sleep(0.05)
-    assert not alive(int(instance["pid"]))  # failed fast: its pool session is gone
+    assert not listed()  # failed fast: its pool session is gone
+    assert alive(int(instance["pid"]))  # its worker waits to serve the function again
     assert (503, "not_ready") in seen  # until the new daemon serves
     wait_for(lambda: http.post("/v1/chat/completions", json=ASK).status_code == 200, timeout=60, interval=0.2)
     healed_s = time.monotonic() - t0
     print(f"pool SIGKILL: requests succeed again after {healed_s:.1f} s")
     (new,) = instances(http, "kept")
     assert new["id"] != instance["id"] and int(new["bytes_loaded"]) > 0  # weights reloaded
+    assert new["pid"] == instance["pid"]  # in the same worker (runtime.survivors)
     (new_pool,) = child_pids(server.proc.pid, "gpu_pool")
     assert new_pool != pool_pid
     with PoolClient(server.pool_socket) as pool:  # same socket path, the new daemon serves it

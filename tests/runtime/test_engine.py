@@ -455,6 +455,38 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
     assert not engine.scheduler.has_work() and engine.blocks.num_held == 0  # all blocks came back
 
 
+def test_an_ended_engine_fails_its_requests_and_refuses_new_ones(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """An instance that ended under its engine (its pool died: WorkerState.release): every
+    request in it gets one error, and one added afterwards fails at once instead of waiting
+    for steps that no driver will run."""
+    import asyncio
+
+    from runtime.engine.scheduler import EngineError
+
+    engine = private_kv_engine(tiny, pool, 16)
+
+    async def run() -> tuple[list[str], str]:
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        streams = [engine.stream([5, 6, 7], params) for _ in range(2)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]  # added and waiting
+        await asyncio.sleep(0)
+        engine.end("the pool went away")
+        errors = []
+        for first in firsts:
+            with pytest.raises(EngineError) as info:
+                await first
+            errors.append(str(info.value))
+        with pytest.raises(EngineError) as late:
+            await anext(engine.stream([5, 6, 7], params))
+        return errors, str(late.value)
+
+    errors, late = asyncio.run(asyncio.wait_for(run(), 30))
+    assert errors == ["the pool went away"] * 2 and late == "the pool went away"
+    assert not engine.scheduler.has_work()
+
+
 def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(
     tiny: RegisteredModel, pool: PoolProcess
 ) -> None:

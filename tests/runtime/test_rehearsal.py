@@ -32,7 +32,8 @@ import inspect, threading
 import uvloop
 from runtime.function_sandbox import FunctionSandbox
 from runtime.rehearsal import rehearse
-from runtime.worker import WorkerState, build_app
+from runtime.worker import build_app
+from runtime.worker_state import WorkerState
 
 state = WorkerState(sandbox=FunctionSandbox(None))
 app = build_app(state)

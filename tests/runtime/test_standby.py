@@ -26,8 +26,8 @@ from runtime.engine.sampling import SamplingParams
 from runtime.instance import bind, bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
 from runtime.standby_pool import ANNOUNCE_S
-from runtime.worker import WorkerState
 from runtime.worker_guard import TOKEN_HEADER
+from runtime.worker_state import WorkerState
 from tests.conftest import CountingSocket, PoolProcess
 from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
 from tests.runtime.tiny_gguf import hf_weights, register_tiny, write_tiny_gguf
