@@ -134,6 +134,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
             arena_bytes=config.arena_bytes,
             prewarm=config.prewarm,
             standby=config.standby,
+            survivor_keep_s=config.survivor_keep_s,
             node=config.node,
             restart=restart,
             sandbox=SandboxConfig.from_env(),

@@ -184,6 +184,7 @@ class Invoker:
         }
         keep_alive = record.scaling.keep_alive_s
         unreachable = 0  # connections that could not be made (never-ran answers are not counted)
+        ended = 0  # never-ran answers of ready instances (that ended with their pool)
         since: float | None = None  # set once the request is routed again
         while True:
             route = await self.router.route(name, record, deadline, since)
@@ -225,6 +226,13 @@ class Invoker:
                     await self.router.instance_lost(name, route, keep_alive)  # frees the slot
                 else:  # (the agent may learn of the pool's death a moment after the worker)
                     await self._lost(name, route, keep_alive)
+                    ended += 1
+                    if ended > self.config.connect_retries:  # not just ended: never route there
+                        self.metrics.requests.labels(name, route_label, "502").inc()
+                        self.metrics.errors.labels(name, "instance_failed").inc()
+                        raise InvocationError(
+                            f"instance {route.instance_id} of {name!r} ended; the request never ran"
+                        ) from None
                 # Route again, to the process the launch tries next or a ready instance: as
                 # often as starts fail for want of room, say, as a waiting request would wait
                 # (it never ran; each try is another process's activation), until its deadline.

@@ -58,6 +58,8 @@ class ServeConfig:
     arena_bytes: int = 2 << 30
     prewarm: int = 2
     standby: int = 2  # workers prepared for functions that scaled to zero (runtime.standby_pool)
+    # Instance workers kept after their pool daemon died, to serve again (runtime.survivors; 0: none).
+    survivor_keep_s: float = 30.0
     request_timeout_s: float = 300.0
     node: str = field(default_factory=socket.gethostname)
 
@@ -68,6 +70,8 @@ class ServeConfig:
             raise ValueError("request_timeout_s must be > 0")
         if not 0 <= self.standby <= 64:
             raise ValueError(f"EMBER_STANDBY must be in [0, 64], not {self.standby}")
+        if not 0 <= self.survivor_keep_s <= 3600:
+            raise ValueError(f"EMBER_SURVIVOR_KEEP must be in [0, 3600] seconds, not {self.survivor_keep_s}")
 
     @property
     def loopback(self) -> bool:
@@ -79,7 +83,8 @@ class ServeConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> ServeConfig:
         """``EMBER_HOME``, ``EMBER_HOST``, ``EMBER_PORT``, ``EMBER_REDIS_URL``, ``EMBER_API_KEY``,
-        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_STANDBY``, ``EMBER_REQUEST_TIMEOUT``; then
+        ``EMBER_ARENA``, ``EMBER_PREWARM``, ``EMBER_STANDBY``, ``EMBER_SURVIVOR_KEEP`` (seconds),
+        ``EMBER_REQUEST_TIMEOUT``; then
         non-None overrides; ``EMBER_REDIS_PASSWORD`` joined into the Redis URL; ``EMBER_MODEL_ROOTS``,
         ``EMBER_HANDLER_ROOTS``, the request limits and the function quota checked."""
         from gpu_pool.config import parse_size
@@ -101,6 +106,12 @@ class ServeConfig:
         values["standby"] = _env_int("EMBER_STANDBY", 2)
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
+        if "EMBER_SURVIVOR_KEEP" in env:
+            raw = env["EMBER_SURVIVOR_KEEP"]
+            try:
+                values["survivor_keep_s"] = float(raw)
+            except ValueError:
+                raise ValueError(f"EMBER_SURVIVOR_KEEP must be seconds, not {raw!r}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         values["redis_url"] = with_password(values.get("redis_url"), env.get(PASSWORD_ENV))
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...

@@ -125,6 +125,7 @@ class NodeAgent:
         self._survivors = Survivors(config)  # instances' workers whose pool died (runtime.survivors)
         # Instances that ended with their pool, until the router forgets them (stop()).
         self._pool_ended: set[str] = set()
+        self._pool_deaths: dict[str, int] = {}  # device -> how often its pool died
         self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
         self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
@@ -234,12 +235,16 @@ class NodeAgent:
         start = _Start(
             instance_id, spec, model, device, deadline, threads, self._takes_turns(device), on_target
         )
+        deaths = self._pool_deaths.get(device, 0)
         started = await self._from_standby(start)
         if started is None:
             started = await self._from_survivor(start)
         if started is None:
             started = await self._from_prewarmed(start)
         worker, message, reply = started
+        if self._pool_deaths.get(device, 0) != deaths:  # it started on the pool that died
+            await worker.terminate(self.config.drain_timeout_s)
+            raise LaunchError(f"the pool of {device} died while instance {instance_id} started")
         log_path = await self._install(start, worker, message)
         # The others' share shrank: told in the background, off this start's path (each
         # instance applies it between two engine steps).
@@ -273,10 +278,9 @@ class NodeAgent:
             name = function_name(start.spec)
             log_path = self.config.log_dir / "functions" / name / f"instance-{instance_id}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            if worker.assigned is None:
-                os.replace(worker.log_path, log_path)  # the worker keeps writing to the renamed file
-            else:  # a survivor's: its instance that ended keeps its log (one file, two names)
-                os.link(worker.log_path, log_path)
+            # The worker keeps writing to the renamed file (a survivor's: its ended instance's
+            # lines go with it, under the new instance's name).
+            os.replace(worker.log_path, log_path)
             worker.log_path = log_path
             worker.device = device
             worker.threads = start.threads
@@ -326,7 +330,7 @@ class NodeAgent:
         try:
             message = await self._assign_message(start)
         except BaseException:
-            await worker.terminate(self.config.drain_timeout_s)
+            self._survivors.add(worker, start.device)  # unused: kept for the next start
             raise
         return await self._assign_or_fall_back(worker, message, start, "survivor")
 
@@ -561,7 +565,12 @@ class NodeAgent:
             except (OSError, PoolError) as exc:  # it died since the check: supervision restarts it
                 log.info("no report for %s this time: its pool did not answer (%s)", device, exc)
                 continue
-            workers = {**self._workers.report(), **self._standbys.report(), **self._tokens_report(device)}
+            workers = {
+                **self._workers.report(),
+                **self._standbys.report(),
+                **self._survivors.report(device),
+                **self._tokens_report(device),
+            }
             workers["instances"] = sum(
                 1 for w in self._instances.values() if w.device == device and w.running
             )
@@ -603,6 +612,7 @@ class NodeAgent:
     async def _pool_died(self, device: str) -> None:
         """Fail the instances on ``device`` fast (kept as survivors, :mod:`runtime.survivors`,
         or killed) and mark the workers that mapped its arena."""
+        self._pool_deaths[device] = self._pool_deaths.get(device, 0) + 1
         standbys = self._standbys.pool_died(device)  # forgotten here: their lines close now
         victims = list(standbys)
         for instance_id, worker in list(self._instances.items()):
@@ -612,7 +622,9 @@ class NodeAgent:
             self._pool_ended.add(instance_id)
             if device in self._grants:
                 self._grants[device].detach(instance_id)
-            if self._survivors.enabled and worker.running:
+            # (Not where instances take turns: the line to the token scheduler may still hold
+            # the ended instance's messages, which the next one would take for its own.)
+            if self._survivors.enabled and worker.running and not self._takes_turns(device):
                 self._survivors.add(worker, device)  # it ends its instance itself
             else:
                 victims.append(worker)

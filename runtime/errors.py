@@ -26,6 +26,12 @@ class RegistrationError(EmberRuntimeError):
     code = "registration_error"
 
 
+class PoolLost(EmberRuntimeError):
+    """The pool daemon of a worker's session died while the worker became an instance."""
+
+    code = "pool_lost"
+
+
 class LaunchError(EmberRuntimeError):
     """An instance could not be started (the worker refused its function or died)."""
 

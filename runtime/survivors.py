@@ -11,6 +11,13 @@ instead of a pre-warmed worker: after a pool restart every instance would otherw
 process start at once (seconds each on a small, busy node, one after another), while the
 pre-warmed pool holds only ``prewarm`` of them.
 
+Not where instances take turns on the device (token scheduling, :mod:`runtime.mesh`): the
+worker's line to the token scheduler may still carry the ended instance's messages, which the
+next instance would take for its own; those workers are killed as before. A handler can keep
+state in its process beyond its module (``os.environ``, other modules, threads it started), as
+in a reused warm container; a worker that still maps the dead pool's memory once its instance
+is collected (a reference the handler kept) exits instead of waiting.
+
 A survivor is reused only for the very spec and model it served (a redeployed function's
 survivor ends), at most once, and ends after ``survivor_keep_s``, when its function is
 deleted or redeployed, or when the agent closes.
@@ -55,6 +62,11 @@ class Survivors:
 
     def pids(self) -> list[int]:
         return [s.worker.pid for group in self._by_function.values() for s in group]
+
+    def report(self, device: str) -> dict[str, int]:
+        """The device report's view: how many survivors wait on ``device``."""
+        waiting = sum(s.device == device for group in self._by_function.values() for s in group)
+        return {"survivor_workers": waiting}
 
     def add(self, worker: WorkerHandle, device: str) -> None:
         """Keep ``worker``, whose instance on ``device`` ended with its pool."""

@@ -48,7 +48,7 @@ from runtime.assignment import Assignment, StandbyMismatch, activate, assign, pr
 from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
-from runtime.errors import EmberRuntimeError, error_body, route_error
+from runtime.errors import EmberRuntimeError, PoolLost, error_body, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, Prepared
@@ -224,6 +224,9 @@ def build_app(state: WorkerState) -> FastAPI:
                         raise
                     finally:
                         state.activating = None
+                if state.lost_while_assigning:  # its pool died meanwhile (WorkerState.release)
+                    state.release()
+                    raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
             except BaseException:  # the agent ends this worker: it holds no request from now on
                 if body:  # (not the rehearsal's empty body: runtime.rehearsal)
                     state.early.refuse()
@@ -238,7 +241,8 @@ def build_app(state: WorkerState) -> FastAPI:
             # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
             # for a custom handler: it may never run the model, and would hold them for nothing.
             a = state.assignment
-            assert a is not None
+            if a is None:  # its pool died during that turn (WorkerState.release)
+                raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
             prefetch = BackgroundTask(_prefetch_kv, a.binding.engine) if a.runner is None else None
             return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
@@ -248,6 +252,9 @@ def build_app(state: WorkerState) -> FastAPI:
     async def standby_route(raw: Request) -> Any:
         async def prepared() -> Response:
             state.standby, reply = await prepare(state, StandbyMessage.from_json(await raw.body()))
+            if state.lost_while_assigning:  # its pool died meanwhile (WorkerState.release)
+                state.release()
+                raise PoolLost("the pool daemon went away while the standby was prepared")
             return Response(reply.to_json(), media_type="application/json")
 
         return await _assigning(prepared)
@@ -256,7 +263,7 @@ def build_app(state: WorkerState) -> FastAPI:
         """Run an assign or a standby's preparation, one at a time, its errors as JSON."""
         if state.assignment is not None or state.assigning:
             return _error(409, "already_assigned", "this worker already serves a function")
-        state.assigning = True
+        state.assigning, state.lost_while_assigning = True, False
         try:
             return await step()
         except (ConfinedElsewhere, StandbyMismatch) as exc:
@@ -265,6 +272,8 @@ def build_app(state: WorkerState) -> FastAPI:
             return _error(500, exc.code, str(exc))
         except PoolError as exc:  # the pool refused (no room, not resident) or went away
             return _error(503, exc.code, f"the pool: {exc}")
+        except PoolLost as exc:
+            return _error(503, exc.code, str(exc))
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
             return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ log = logging.getLogger("ember.worker")
 # After an instance ended with its pool, collect its engine's reference cycles this much later
 # (s): the requests it failed have answered by then.
 RELEASE_GC_S = 0.2
+# The CPU pool's arena and KV memory files (gpu_pool.arena) as /proc/self/maps names them.
+DEAD_POOL_MAPPINGS = re.compile(r"/memfd:ember-(pool-arena|kv-)")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class WorkerState:
     # on it again: :meth:`pool_lost`); else drain and exit.
     survive_pool_loss: bool = False
     released: str | None = None  # the instance ended by its pool's death, while none followed
+    lost_while_assigning: bool = False  # the pool died during the current assign or preparation
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving (set by serve)
 
     def schedule_tokens(self, message: AssignMessage) -> None:
@@ -93,6 +97,8 @@ class WorkerState:
             self.standby = None
         a = self.assignment
         if a is None:
+            if self.assigning:  # the assign fails once it returns (runtime.worker)
+                self.lost_while_assigning = True
             return
         log.error("the pool daemon went away: instance %s ends, the worker waits", a.instance_id)
         self.assignment, self.released = None, a.instance_id
@@ -108,7 +114,20 @@ class WorkerState:
         # Its views go with the engine, once the requests that hold it have ended (a moment):
         # the dead arena's memory is then free for the restarted pool's.
         if self.loop is not None:
-            self.loop.call_later(RELEASE_GC_S, gc.collect)
+            self.loop.call_later(RELEASE_GC_S, self._check_released)
+
+    def _check_released(self) -> None:
+        """After a release: collect the ended instance's engine, and exit (drain) if the dead
+        pool's memory is still mapped all the same, say through a reference the handler kept:
+        a worker reused after each pool death would hold one more dead arena every time."""
+        gc.collect()
+        if self.assignment is not None or self.assigning:  # (assigned again already)
+            return
+        with open("/proc/self/maps") as maps:
+            held = [line for line in maps if DEAD_POOL_MAPPINGS.search(line)]
+        if held:
+            log.error("the dead pool's memory is still mapped (%d mappings): exiting", len(held))
+            pool_lost()
 
     def close(self) -> None:
         if self.standby is not None:

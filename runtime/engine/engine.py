@@ -304,7 +304,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         seq.finish_reason, seq.error = FinishReason.ERROR, message
-        self.scheduler.finish(seq)
+        self.scheduler.drop(seq)
         self.runner.forget(seq)
         out = StepOutput(seq.seq_id, None, "", FinishReason.ERROR, message, "engine_error")
         self._deliver(out)
@@ -318,14 +318,10 @@ class Engine:
         self.fail_all(message)
 
     def fail_all(self, message: str) -> None:
-        """End every request the engine holds with an error (each stream gets ``message``)."""
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq in self.scheduler.waiting:  # (finished: its stream's abort has nothing to free)
-                self.scheduler.waiting.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason, seq.error = FinishReason.ERROR, message
-                self._deliver(StepOutput(seq.seq_id, None, "", FinishReason.ERROR, message, "engine_error"))
-            else:
+        """End every unfinished request the engine holds with an error (each stream gets
+        ``message``), wherever a failed step left it."""
+        for seq in list(self.seqs.values()):
+            if seq.status is not SequenceStatus.FINISHED:
                 self._fail(seq, message)
 
     def _deliver(self, out: StepOutput) -> None:
@@ -399,11 +395,7 @@ class Engine:
         seq = self.seqs.get(seq_id)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-        else:
-            self.scheduler.finish(seq)
+        self.scheduler.drop(seq)
         seq.finish_reason = FinishReason.STOP
         self.runner.forget(seq)
 

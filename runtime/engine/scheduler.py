@@ -89,23 +89,39 @@ class Scheduler:
         if scheduled:
             self.running.extend(scheduled)
             return scheduled, True
-        while self.running:
-            seq = self.running.popleft()
-            while not self.blocks.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
+        popped: Sequence | None = None
+        try:
+            while self.running:
+                popped = seq = self.running.popleft()
+                while not self.blocks.can_append(seq):
+                    if self.running:
+                        self._preempt(self.running.pop())
+                    else:
+                        self._preempt(seq)
+                        break
                 else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.blocks.append(seq)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
+                    self.blocks.append(seq)
+                    scheduled.append(seq)
+                popped = None
+        finally:
+            # A block fetch that raised (a pool that died) loses no sequence: all stay running.
+            if popped is not None and popped.status is SequenceStatus.RUNNING:
+                scheduled.append(popped)
+            self.running.extend(scheduled)
         return scheduled, False
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
+        self.blocks.deallocate(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        """Finish ``seq`` wherever it is (running, waiting, or neither) and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.blocks.deallocate(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.compose import build_embedded
 from gateway.serve import ServeConfig
@@ -48,3 +49,16 @@ def test_build_start_close_leaves_no_process(tmp_path: Path) -> None:
     redis_pid, pool_pid, num_devices = asyncio.run(scenario())
     assert num_devices == 1
     assert _gone(redis_pid) and _gone(pool_pid)
+
+
+def test_survivor_keep_is_read_from_the_environment_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    assert ServeConfig.from_env().survivor_keep_s == 30.0
+    monkeypatch.setenv("EMBER_SURVIVOR_KEEP", "0")
+    assert ServeConfig.from_env().survivor_keep_s == 0.0  # off: workers die with their pool
+    for bad in ("soon", "-1", "3601"):
+        monkeypatch.setenv("EMBER_SURVIVOR_KEEP", bad)
+        with pytest.raises(ValueError, match="EMBER_SURVIVOR_KEEP"):
+            ServeConfig.from_env()

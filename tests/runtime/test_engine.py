@@ -487,6 +487,46 @@ def test_an_ended_engine_fails_its_requests_and_refuses_new_ones(
     assert not engine.scheduler.has_work()
 
 
+def test_a_pool_that_dies_mid_decode_fails_every_request_once(
+    tiny: RegisteredModel, pool: PoolProcess
+) -> None:
+    """A decode step whose KV fetch finds the pool dead (SIGKILLed here) fails every request
+    with one error: none is lost between the scheduler's queues (its stream would wait forever)."""
+    import asyncio
+    import signal
+
+    from runtime.engine.scheduler import EngineError
+
+    with PoolClient(pool.socket_path) as client:
+        engine = make_engine(tiny, client, refill=1)  # a block fetch at every block boundary
+
+        async def run() -> list[str]:
+            driver = asyncio.create_task(engine.run_forever())
+            params = SamplingParams(max_tokens=60, ignore_eos=True)
+
+            async def consume(i: int) -> str:
+                n = 0
+                try:
+                    async for _ in engine.stream([5, 6, 7 + i], params):
+                        n += 1
+                        if n == 3 and pool.proc.poll() is None:
+                            pool.proc.send_signal(signal.SIGKILL)
+                            pool.proc.wait()
+                except EngineError as exc:
+                    return f"error: {exc}"
+                return f"finished after {n}"
+
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(4))), 30)
+            finally:
+                driver.cancel()
+
+        results = asyncio.run(run())
+    assert all(r.startswith("error: the engine failed") for r in results), results
+    assert not engine.scheduler.has_work()
+    assert all(s.status.name == "FINISHED" for s in engine.seqs.values())
+
+
 def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(
     tiny: RegisteredModel, pool: PoolProcess
 ) -> None:

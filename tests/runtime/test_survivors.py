@@ -18,12 +18,13 @@ import pytest
 
 from runtime.agent import NodeAgent
 from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
+from runtime.errors import LaunchError
 from runtime.messages import AssignMessage
 from runtime.survivors import Survivors
 from runtime.worker_guard import TOKEN_HEADER
 from runtime.worker_handle import WorkerHandle
 from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
-from tests.runtime.test_standby import PROMPT, complete, started_agent
+from tests.runtime.test_standby import PROMPT, complete, custom_function, started_agent
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
 
 
@@ -143,8 +144,9 @@ def test_an_instance_whose_pool_died_starts_again_in_the_same_worker(tmp_path: P
             second = await agent.launch("2", document, model, device, time.time() + 120)
             assert second.pid == first.pid and second.acquire.bytes_loaded > 0
             assert await complete(second.url, second.token) == expected
-            log = Path(second.log_path)
-            assert log.with_name("instance-1.log").samefile(log)  # instance 1's log stays
+            log = Path(second.log_path)  # one file: instance 1's lines went with the worker
+            assert not log.with_name("instance-1.log").exists()
+            assert "instance 1 ends" in log.read_text()
 
             # Again, and the function is redeployed meanwhile: its survivor ends.
             kill_pool(agent)
@@ -158,5 +160,83 @@ def test_an_instance_whose_pool_died_starts_again_in_the_same_worker(tmp_path: P
             assert third.pid != first.pid
             await until(lambda: not alive(first.pid))
             assert await complete(third.url, third.token) == expected
+
+    asyncio.run(scenario())
+
+
+SLOW_INIT = """
+import time
+
+from runtime.sdk import init
+
+
+@init(static=True)
+def setup(context):
+    time.sleep(3)  # the pool dies meanwhile
+    return {}
+
+
+def handler(event, context):
+    return {"x": event["x"]}
+"""
+
+
+@pytest.mark.slow
+def test_a_start_whose_pool_dies_meanwhile_fails_and_the_next_one_serves(tmp_path: Path) -> None:
+    """The pool dies while an instance starts (its initializer runs): the start fails (it would
+    be an instance on a dead pool, answering every request with an error), and the function's
+    next start, on the restarted pool, serves."""
+    home, document, source = custom_function(tmp_path, "slow", SLOW_INIT)
+
+    async def scenario() -> None:
+        async with started_agent(home, source, standby=0) as (agent, model, device):
+            await wait_warm(agent, 1)
+            launch = asyncio.create_task(agent.launch("1", document, model, device, time.time() + 120))
+            await asyncio.sleep(1.5)  # in the initializer
+            kill_pool(agent)
+            with pytest.raises(LaunchError, match="pool"):
+                await launch
+            assert not agent.owns("1") and not agent.alive("1")
+            await until(lambda: agent.pool_alive("cpu"))
+            await wait_warm(agent, 1)
+            second = await agent.launch("2", document, model, device, time.time() + 120)
+            async with httpx.AsyncClient(base_url=second.url, timeout=60) as http:
+                resp = await http.post("/invoke", json={"x": 7}, headers={TOKEN_HEADER: second.token})
+            assert resp.status_code == 200 and resp.json() == {"x": 7}
+
+    asyncio.run(scenario())
+
+
+HOARDER = """
+import builtins
+
+
+def handler(event, context):
+    builtins.kept_model = context.model  # outlives the instance: its engine maps the pool's memory
+    return {"x": event["x"]}
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_that_still_maps_the_dead_pool_exits_instead_of_waiting(tmp_path: Path) -> None:
+    """A handler kept a reference to its model beyond its instance: after the pool's death the
+    worker would hold the dead arena's memory (and one more after every death), so it exits
+    instead of waiting to be reused; the next start takes a pre-warmed worker."""
+    home, document, source = custom_function(tmp_path, "hoarder", HOARDER)
+
+    async def scenario() -> None:
+        async with started_agent(home, source, standby=0) as (agent, model, device):
+            await wait_warm(agent, 1)
+            first = await agent.launch("1", document, model, device, time.time() + 120)
+            async with httpx.AsyncClient(base_url=first.url, timeout=60) as http:
+                resp = await http.post("/invoke", json={"x": 1}, headers={TOKEN_HEADER: first.token})
+            assert resp.status_code == 200
+            kill_pool(agent)
+            await until(lambda: not alive(first.pid), timeout=30)
+            await agent.stop("1")
+            await until(lambda: agent.pool_alive("cpu"))
+            await wait_warm(agent, 1)
+            second = await agent.launch("2", document, model, device, time.time() + 120)
+            assert second.pid != first.pid
 
     asyncio.run(scenario())
