@@ -39,13 +39,19 @@ class ServeError(RuntimeError):
 
 
 def _env_int(name: str, default: int) -> int:
+    return int(_env_number(name, default, int))
+
+
+def _env_number(name: str, default: float, kind: type[int] | type[float] = float) -> float:
+    """``name`` from the environment as a ``kind`` (``default`` when unset); a clear error when
+    it is not one."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +112,7 @@ class ServeConfig:
         values["standby"] = _env_int("EMBER_STANDBY", 2)
         if "EMBER_REQUEST_TIMEOUT" in env:
             values["request_timeout_s"] = float(env["EMBER_REQUEST_TIMEOUT"])
-        if "EMBER_SURVIVOR_KEEP" in env:
-            raw = env["EMBER_SURVIVOR_KEEP"]
-            try:
-                values["survivor_keep_s"] = float(raw)
-            except ValueError:
-                raise ValueError(f"EMBER_SURVIVOR_KEEP must be seconds, not {raw!r}") from None
+        values["survivor_keep_s"] = _env_number("EMBER_SURVIVOR_KEEP", 30.0)
         values.update({k: v for k, v in overrides.items() if v is not None})
         values["redis_url"] = with_password(values.get("redis_url"), env.get(PASSWORD_ENV))
         FunctionCodeConfig.from_env(values["home"])  # fail loudly on bad EMBER_HANDLER_ROOTS ...
