@@ -235,12 +235,14 @@ class NodeAgent:
         start = _Start(
             instance_id, spec, model, device, deadline, threads, self._takes_turns(device), on_target
         )
-        deaths = self._pool_deaths.get(device, 0)
-        started = await self._from_standby(start)
-        if started is None:
-            started = await self._from_survivor(start)
-        if started is None:
-            started = await self._from_prewarmed(start)
+        started = None
+        for attempt in (self._from_standby, self._from_survivor, self._from_prewarmed):
+            await self._pools.wait_until_up(device, deadline)  # (again after a failed attempt)
+            deaths = self._pool_deaths.get(device, 0)
+            started = await attempt(start)
+            if started is not None:
+                break
+        assert started is not None, "a start from a pre-warmed worker returns or raises"
         worker, message, reply = started
         if self._pool_deaths.get(device, 0) != deaths:  # it started on the pool that died
             await worker.terminate(self.config.drain_timeout_s)

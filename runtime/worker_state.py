@@ -24,6 +24,7 @@ log = logging.getLogger("ember.worker")
 # After an instance ended with its pool, collect its engine's reference cycles this much later
 # (s): the requests it failed have answered by then.
 RELEASE_GC_S = 0.2
+POOL_PROBE_S = 0.5  # the longest a dead pool's socket is probed for (s)
 # The CPU pool's arena and KV memory files (gpu_pool.arena) as /proc/self/maps names them.
 DEAD_POOL_MAPPINGS = re.compile(r"/memfd:ember-(pool-arena|kv-)")
 
@@ -83,10 +84,27 @@ class WorkerState:
         instance or standby on the event loop (:meth:`release`) and stays up, confined to its
         function, for the agent to start that function on it again once the pool is back: no
         process start, import or sandbox on that path. Any other drains and exits."""
-        if not self.survive_pool_loss or self.loop is None:
+        if not self.survive_pool_loss or self.loop is None or self._pool_answers():
             pool_lost()
             return
         self.loop.call_soon_threadsafe(self.release)
+
+    def _pool_answers(self) -> bool:
+        """Whether the session's pool daemon still accepts connections (from the watch thread,
+        at once: a dead one is restarted no sooner than 0.1 s later). Then it dropped this one
+        session and did not die: the agent knows of no death, would never start the function
+        here again and would keep routing to an instance that serves nothing, so the worker
+        exits as it always did (the agent forgets the instance and starts another)."""
+        holder = self.assignment or self.standby or self.activating
+        if holder is None:
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(POOL_PROBE_S)
+            try:
+                probe.connect(holder.client.socket_path)
+            except OSError:
+                return False
+        return True
 
     def release(self) -> None:
         """End the instance (or standby) whose pool died. Its requests in the engine fail with

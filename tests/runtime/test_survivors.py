@@ -16,16 +16,21 @@ from typing import Any
 import httpx
 import pytest
 
+from gpu_pool.client import PoolClient
 from runtime.agent import NodeAgent
+from runtime.assignment import prepare
 from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
 from runtime.errors import LaunchError
-from runtime.messages import AssignMessage
+from runtime.instance import load_template
+from runtime.messages import AssignMessage, StandbyMessage
 from runtime.survivors import Survivors
 from runtime.worker_guard import TOKEN_HEADER
 from runtime.worker_handle import WorkerHandle
+from runtime.worker_state import WorkerState
+from tests.conftest import PoolProcess
 from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
 from tests.runtime.test_standby import PROMPT, complete, custom_function, started_agent
-from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
+from tests.runtime.tiny_gguf import hf_weights, register_tiny, write_tiny_gguf
 
 
 def alive(pid: int) -> bool:
@@ -240,3 +245,29 @@ def test_a_worker_that_still_maps_the_dead_pool_exits_instead_of_waiting(tmp_pat
             assert second.pid != first.pid
 
     asyncio.run(scenario())
+
+
+def test_a_worker_waits_only_when_its_pool_died_not_when_it_dropped_the_session(tmp_path: Path) -> None:
+    """The pool's watch fires both when the daemon dies and when it drops one session. A pool
+    that still accepts connections only dropped the session: the agent knows of no death, so
+    the worker must exit as before (WorkerState._pool_answers). A dead one: the worker ends
+    its instance or standby and stays (here: the test process survives the watch)."""
+    tiny = register_tiny(tmp_path)
+    pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
+    document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+
+    async def scenario() -> None:
+        with PoolClient(pool.socket_path) as loader:  # resident (a standby loads nothing)
+            loader.acquire_placements(load_template(tiny.directory).manifest)
+        state = WorkerState(survive_pool_loss=True, loop=asyncio.get_running_loop())
+        message = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
+        state.standby, _ = await prepare(state, message)
+        assert state._pool_answers()  # alive: a session dropped by it would make the worker exit
+        pool.stop()
+        await until(lambda: state.standby is None, timeout=10)  # released by the watch, not exited
+        assert not state._pool_answers()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.stop()
