@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -126,6 +127,7 @@ class PoolClient:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(socket_path)
+            self._bound = _socket_file(socket_path)
         except OSError as exc:
             self._sock.close()
             raise ConnectionError(f"cannot reach the pool daemon at {socket_path}: {exc}") from None
@@ -175,6 +177,24 @@ class PoolClient:
         self._sock.close()
         for name in list(self._fds):
             self._close_fd(name)
+
+    def daemon_answers(self, timeout: float = 0.5) -> bool:
+        """Whether the daemon this session was opened on still serves (after its watch fired:
+        then it dropped this session and did not die). Blocks for up to ``timeout`` seconds:
+        a killed daemon closes this session's socket before its listening one, so a connection
+        made in between is accepted by the kernel and reset a moment later; one that stays
+        open for ``timeout`` was taken by a live daemon. A restarted daemon binds the path
+        anew, so its socket file differs and it does not count, however quickly it came back."""
+        try:
+            if _socket_file(self.socket_path) != self._bound:
+                return False
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(timeout)
+                probe.connect(self.socket_path)
+                ready, _, _ = select.select([probe], [], [], timeout)
+                return not ready or probe.recv(1) != b""  # (a reset raises: dead)
+        except OSError:
+            return False
 
     @property
     def watched(self) -> bool:
@@ -563,3 +583,10 @@ def _set_once(future: asyncio.Future[None]) -> None:
     """A reader callback (level-triggered: it runs until removed) that resolves ``future`` once."""
     if not future.done():
         future.set_result(None)
+
+
+def _socket_file(path: str) -> tuple[int, int, int]:
+    """Which socket file ``path`` names: a daemon that binds it anew makes a new one (a new
+    inode; its change time tells apart an inode number the file system reused)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_ctime_ns

@@ -6,6 +6,7 @@ to the agent's token scheduler; and what it does when its pool daemon dies
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import re
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, pool_lost
 from runtime.early_requests import EarlyRequests
 from runtime.function_sandbox import FunctionSandbox
@@ -24,7 +26,7 @@ log = logging.getLogger("ember.worker")
 # After an instance ended with its pool, collect its engine's reference cycles this much later
 # (s): the requests it failed have answered by then.
 RELEASE_GC_S = 0.2
-POOL_PROBE_S = 0.5  # the longest a dead pool's socket is probed for (s)
+POOL_PROBE_S = 0.5  # how long a pool's socket is watched to tell a dying daemon (s)
 # The CPU pool's arena and KV memory files (gpu_pool.arena) as /proc/self/maps names them.
 DEAD_POOL_MAPPINGS = re.compile(r"/memfd:ember-(pool-arena|kv-)")
 
@@ -49,6 +51,7 @@ class WorkerState:
     survive_pool_loss: bool = False
     released: str | None = None  # the instance ended by its pool's death, while none followed
     lost_while_assigning: bool = False  # the pool died during the current assign or preparation
+    exiting: bool = False  # its pool dropped its session: it drains and exits
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving (set by serve)
 
     def schedule_tokens(self, message: AssignMessage) -> None:
@@ -84,27 +87,18 @@ class WorkerState:
         instance or standby on the event loop (:meth:`release`) and stays up, confined to its
         function, for the agent to start that function on it again once the pool is back: no
         process start, import or sandbox on that path. Any other drains and exits."""
-        if not self.survive_pool_loss or self.loop is None or self._pool_answers():
+        if not self.survive_pool_loss or self.loop is None:
             pool_lost()
             return
-        self.loop.call_soon_threadsafe(self.release)
-
-    def _pool_answers(self) -> bool:
-        """Whether the session's pool daemon still accepts connections (from the watch thread,
-        at once: a dead one is restarted no sooner than 0.1 s later). Then it dropped this one
-        session and did not die: the agent knows of no death, would never start the function
-        here again and would keep routing to an instance that serves nothing, so the worker
-        exits as it always did (the agent forgets the instance and starts another)."""
         holder = self.assignment or self.standby or self.activating
-        if holder is None:
-            return False
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(POOL_PROBE_S)
-            try:
-                probe.connect(holder.client.socket_path)
-            except OSError:
-                return False
-        return True
+        self.loop.call_soon_threadsafe(self.release)  # the session is gone either way
+        # A daemon that still serves dropped this one session and did not die: the agent knows
+        # of no death and would never start the function here again, so the worker exits as it
+        # always did (the agent forgets the instance and starts another).
+        if holder is not None and holder.client.daemon_answers(POOL_PROBE_S):
+            log.error("the pool daemon dropped this worker's session (it still serves): exiting")
+            self.exiting = True
+            pool_lost()
 
     def release(self) -> None:
         """End the instance (or standby) whose pool died. Its requests in the engine fail with
@@ -139,7 +133,7 @@ class WorkerState:
         pool's memory is still mapped all the same, say through a reference the handler kept:
         a worker reused after each pool death would hold one more dead arena every time."""
         gc.collect()
-        if self.assignment is not None or self.assigning:  # (assigned again already)
+        if self.assignment is not None or self.assigning or self.exiting:  # (assigned again)
             return
         with open("/proc/self/maps") as maps:
             held = [line for line in maps if DEAD_POOL_MAPPINGS.search(line)]
@@ -154,6 +148,7 @@ class WorkerState:
         a = self.assignment
         if a is not None:
             a.driver.cancel()
-            a.binding.engine.close()
+            with contextlib.suppress(OSError, PoolError):  # its KV blocks went with a dead pool
+                a.binding.engine.close()
             a.client.close()
             self.assignment = None

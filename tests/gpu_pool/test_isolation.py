@@ -338,3 +338,25 @@ def test_watch_tells_a_client_its_pool_died(killable_pool: PoolProcess) -> None:
         os.kill(killable_pool.proc.pid, signal.SIGKILL)
         assert died.wait(2.0)
     assert not quiet.is_set()
+
+
+def test_a_restarted_daemon_is_not_the_one_a_session_was_opened_on(tmp_path: Path) -> None:
+    """After its watch fires, a session asks whether its daemon still answers (it dropped the
+    session) or died. A daemon restarted at the same path before the question is asked (a busy
+    host delays the watch thread; the agent restarts pools at once) is a new one."""
+    first = PoolProcess(tmp_path / "r.sock")
+    second: PoolProcess | None = None
+    try:
+        with PoolClient(first.socket_path) as c:
+            assert c.daemon_answers()
+            os.kill(first.proc.pid, signal.SIGKILL)
+            first.proc.wait()
+            assert not c.daemon_answers()  # its socket file is left, refusing connections
+            second = PoolProcess(tmp_path / "r.sock")
+            with PoolClient(second.socket_path) as fresh:  # the path answers again
+                assert fresh.daemon_answers()
+            assert not c.daemon_answers()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -250,7 +250,7 @@ def test_a_worker_that_still_maps_the_dead_pool_exits_instead_of_waiting(tmp_pat
 def test_a_worker_waits_only_when_its_pool_died_not_when_it_dropped_the_session(tmp_path: Path) -> None:
     """The pool's watch fires both when the daemon dies and when it drops one session. A pool
     that still accepts connections only dropped the session: the agent knows of no death, so
-    the worker must exit as before (WorkerState._pool_answers). A dead one: the worker ends
+    the worker must exit as before (PoolClient.daemon_answers). A dead one: the worker ends
     its instance or standby and stays (here: the test process survives the watch)."""
     tiny = register_tiny(tmp_path)
     pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
@@ -262,10 +262,10 @@ def test_a_worker_waits_only_when_its_pool_died_not_when_it_dropped_the_session(
         state = WorkerState(survive_pool_loss=True, loop=asyncio.get_running_loop())
         message = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
         state.standby, _ = await prepare(state, message)
-        assert state._pool_answers()  # alive: a session dropped by it would make the worker exit
+        assert state.standby is not None
+        assert state.standby.client.daemon_answers()  # alive: a dropped session means exit
         pool.stop()
         await until(lambda: state.standby is None, timeout=10)  # released by the watch, not exited
-        assert not state._pool_answers()
 
     try:
         asyncio.run(scenario())
