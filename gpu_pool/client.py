@@ -20,10 +20,11 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.arena import mapping
@@ -127,7 +128,7 @@ class PoolClient:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(socket_path)
-            self._bound = _socket_file(socket_path)
+            self._daemon = _Listener(_listener_pid(self._sock), _socket_file(socket_path))
         except OSError as exc:
             self._sock.close()
             raise ConnectionError(f"cannot reach the pool daemon at {socket_path}: {exc}") from None
@@ -180,19 +181,23 @@ class PoolClient:
 
     def daemon_answers(self, timeout: float = 0.5) -> bool:
         """Whether the daemon this session was opened on still serves (after its watch fired:
-        then it dropped this session and did not die). Blocks for up to ``timeout`` seconds:
-        a killed daemon closes this session's socket before its listening one, so a connection
-        made in between is accepted by the kernel and reset a moment later; one that stays
-        open for ``timeout`` was taken by a live daemon. A restarted daemon binds the path
-        anew, so its socket file differs and it does not count, however quickly it came back."""
+        then it dropped this session and did not die). Blocks for up to ``timeout`` seconds.
+        A killed daemon closes this session's socket before its listening one, so a connection
+        made in between is taken into its backlog and reset a moment later; one still open
+        after ``timeout`` was taken by a live daemon. A restarted daemon does not count, however
+        quickly it came back: the connection names the process that listens (``SO_PEERCRED``),
+        and where this pid namespace cannot name it (pid 0), the socket file is checked again
+        after the wait (a restarted daemon binds a new one)."""
         try:
-            if _socket_file(self.socket_path) != self._bound:
-                return False
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.settimeout(timeout)
                 probe.connect(self.socket_path)
+                if _listener_pid(probe) != self._daemon.pid:
+                    return False
                 ready, _, _ = select.select([probe], [], [], timeout)
-                return not ready or probe.recv(1) != b""  # (a reset raises: dead)
+                if ready and probe.recv(1) == b"":  # (a reset raises: dead)
+                    return False
+            return _socket_file(self.socket_path) == self._daemon.socket_file
         except OSError:
             return False
 
@@ -585,8 +590,24 @@ def _set_once(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _socket_file(path: str) -> tuple[int, int, int]:
-    """Which socket file ``path`` names: a daemon that binds it anew makes a new one (a new
-    inode; its change time tells apart an inode number the file system reused)."""
+class _Listener(NamedTuple):
+    """The daemon a session was opened on: the pid that listens (0 where this pid namespace
+    cannot name it) and its socket file."""
+
+    pid: int
+    socket_file: tuple[int, int]
+
+
+def _listener_pid(sock: socket.socket) -> int:
+    """The pid of the process whose listening socket ``sock`` connected to (``SO_PEERCRED``:
+    recorded at ``listen()``; 0 when it is outside this pid namespace)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
+
+
+def _socket_file(path: str) -> tuple[int, int]:
+    """Which socket file ``path`` names (device, inode): a daemon that binds it anew makes a
+    new one. Not its change time: a ``chmod`` or ``touch`` moves that on the same file."""
     st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_ctime_ns
+    return st.st_dev, st.st_ino

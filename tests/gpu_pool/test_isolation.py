@@ -343,11 +343,15 @@ def test_watch_tells_a_client_its_pool_died(killable_pool: PoolProcess) -> None:
 def test_a_restarted_daemon_is_not_the_one_a_session_was_opened_on(tmp_path: Path) -> None:
     """After its watch fires, a session asks whether its daemon still answers (it dropped the
     session) or died. A daemon restarted at the same path before the question is asked (a busy
-    host delays the watch thread; the agent restarts pools at once) is a new one."""
+    host delays the watch thread; the agent restarts pools at once) is a new one; the same
+    daemon whose socket file's metadata changed is not."""
     first = PoolProcess(tmp_path / "r.sock")
     second: PoolProcess | None = None
     try:
         with PoolClient(first.socket_path) as c:
+            assert c.daemon_answers()
+            os.chmod(first.socket_path, 0o600)  # an operator's chmod or touch: the same daemon
+            os.utime(first.socket_path)
             assert c.daemon_answers()
             os.kill(first.proc.pid, signal.SIGKILL)
             first.proc.wait()
