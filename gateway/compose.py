@@ -122,7 +122,11 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
         child = ThreadRestarted("redis-server", redis_server, spawner)
         background.append(lambda: supervise(child, restart))
     try:
-        state = ClusterState.from_url(config.redis_url or redis_server.url)  # type: ignore[union-attr]
+        if redis_server is None:
+            assert config.redis_url is not None
+            state = ClusterState.from_url(config.redis_url)
+        else:  # its records are fsynced on write (scheduler.durable)
+            state = ClusterState.from_url(redis_server.url, sync_records=redis_server.sync_files)
     except BaseException:
         if redis_server is not None:
             redis_server.stop()

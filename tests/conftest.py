@@ -59,8 +59,8 @@ def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 @pytest.fixture
 def state(redis_server: EmbeddedRedis) -> Iterator[ClusterState]:
-    """A ClusterState over the test's own redis-server."""
-    s = ClusterState.from_url(redis_server.url)
+    """A ClusterState over the test's own redis-server (records fsynced, as ``ember serve``'s)."""
+    s = ClusterState.from_url(redis_server.url, sync_records=redis_server.sync_files)
     try:
         yield s
     finally:

