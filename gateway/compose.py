@@ -121,6 +121,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
         redis_server.start()
         child = ThreadRestarted("redis-server", redis_server, spawner)
         background.append(lambda: supervise(child, restart))
+        background.append(redis_server.keep_synced)
     try:
         if redis_server is None:
             assert config.redis_url is not None

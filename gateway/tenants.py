@@ -37,6 +37,7 @@ from scheduler.spec import FunctionSpec
 from scheduler.state import ClusterState
 
 ENCODING_VERSION = 1
+RECORD = "tenant_keys"  # the hash {p}tenant_keys
 KEY_PREFIX = "ember_"  # tenant keys look like ember_<43 url-safe characters> (256 random bits)
 MAX_KEYS_PER_NAMESPACE = 16  # enough to rotate; bounds what one namespace can make an admin store
 MAX_KEYS = 10_000
@@ -139,7 +140,7 @@ class TenantKeys:
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
-        self.key = f"{state.p}tenant_keys"
+        self.key = f"{state.p}{RECORD}"
 
     def _all(self) -> dict[str, dict[str, Any]]:
         raw: dict[str, str] = self.state._call(lambda: self.state.r.hgetall(self.key))
@@ -159,7 +160,7 @@ class TenantKeys:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         hashed = digest(key)
         value = json.dumps({"v": ENCODING_VERSION, "namespace": namespace, "created": time.time()})
-        self.state._call(lambda: self.state.r.hset(self.key, hashed, value))
+        self.state.put_record_field(RECORD, hashed, value)  # durable before the key is handed out
         return key, key_id(hashed)
 
     def namespace_of(self, hashed: str) -> str | None:
@@ -183,8 +184,7 @@ class TenantKeys:
             for h, r in self._all().items()
             if r["namespace"] == namespace and (kid is None or key_id(h) == kid)
         ]
-        if doomed:
-            self.state._call(lambda: self.state.r.hdel(self.key, *doomed))
+        self.state.delete_record_fields(RECORD, doomed)  # durable: a revoked key stays revoked
         return len(doomed)
 
 

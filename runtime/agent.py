@@ -24,9 +24,11 @@ sees it), :mod:`runtime.device_report` (the device record) and :mod:`runtime.age
 The agent sends each worker's own credential on ``/_ember/*`` and returns it in
 :class:`InstanceStart` so the gateway can reach the instance. A pre-warmed worker found dead
 when a function is handed to it (its port refuses the connection: nothing was delivered) is
-discarded and another one taken. Each worker an assign goes to is told to the launch's
-``on_target`` first, so requests can follow it there (:mod:`runtime.early_requests`). The
-worker's assign reply (:class:`runtime.messages.AssignReply`) carries the pool's
+discarded and another one taken (:mod:`runtime.assign_call` types an assign's failures;
+:mod:`runtime.instance_grants` gives each instance its KV quota and pool ticket). Each
+worker an assign goes to is told to the launch's ``on_target`` first, so requests can follow
+it there (:mod:`runtime.early_requests`). The worker's assign reply
+(:class:`runtime.messages.AssignReply`) carries the pool's
 :class:`~gpu_pool.acquire_report.AcquireReport`, which :class:`InstanceStart` keeps.
 """
 
@@ -43,12 +45,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpu_pool.acquire_report import AcquireReport
-from gpu_pool.errors import OutOfMemory, PoolError
+from gpu_pool.errors import PoolError
 from runtime.agent_config import AgentConfig
+from runtime.assign_call import InitFailed, OnTarget, Undelivered, assign
 from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
-from runtime.errors import LaunchError, NoRoom
+from runtime.errors import LaunchError
+from runtime.instance_grants import InstanceGrants
 from runtime.mesh.admission import instance_view
 from runtime.mesh.grant_server import DeviceGrants
 from runtime.messages import MAX_THREADS, AssignMessage, AssignReply, MessageError, ThreadsMessage
@@ -56,14 +60,11 @@ from runtime.process import boost
 from runtime.standby_pool import OnStandby, Standbys, function_name, kv_scope
 from runtime.survivors import Survivors
 from runtime.warm_pool import WarmPool
-from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
+from runtime.worker_client import WorkerClient
 from runtime.worker_handle import WorkerHandle
 
 log = logging.getLogger("ember.agent")
 
-FUNCTION_INIT_FAILED = "function_init_failed"
-# (url, credential) of a worker an assign goes to (scheduler.launcher.OnTarget, structurally).
-OnTarget = Callable[[str, str], None]  # runtime.worker's error type for a failed initializer
 
 __all__ = ["AgentConfig", "InstanceStart", "LaunchError", "NodeAgent"]
 
@@ -101,14 +102,6 @@ class _Start(NamedTuple):
     on_target: OnTarget | None = None  # told each worker the assign goes to (launch)
 
 
-class _Undelivered(LaunchError):
-    """The worker's connection failed before the assign reached it (it was ended)."""
-
-
-class _InitFailed(LaunchError):
-    """The function's initializer failed in the worker (a function error, not the worker's)."""
-
-
 class NodeAgent:
     """Pools, pre-warmed workers and instances of one node (see module docstring)."""
 
@@ -120,13 +113,13 @@ class NodeAgent:
         self._http = WorkerClient(config.worker_start_timeout_s)
         self._pools = DevicePools(config)
         self._workers = WarmPool(config, self._http, self._pools.sockets)
-        self._standbys = Standbys(config, self._http, self._workers, self._grant_ticket)
+        self._grants_of = InstanceGrants(config, self._pools)
+        self._standbys = Standbys(config, self._http, self._workers, self._grants_of.ticket)
         self._instances: dict[str, WorkerHandle] = {}
         self._survivors = Survivors(config)  # instances' workers whose pool died (runtime.survivors)
         # Instances that ended with their pool, until the router forgets them (stop()).
         self._pool_ended: set[str] = set()
         self._pool_deaths: dict[str, int] = {}  # device -> how often its pool died
-        self._kv_shapes: dict[str, tuple[dict[str, Any], int]] = {}  # model dir -> (KV profile, context)
         self._cpu_share = CpuShare(os.cpu_count() or 1, MAX_THREADS)
         self._sharing = asyncio.Lock()  # one thread-share round at a time: posts stay in order
         self._tasks: set[asyncio.Task[None]] = set()  # background rounds (kept referenced)
@@ -272,9 +265,9 @@ class NodeAgent:
         try:
             view = None
             if message.token_scheduling and sock is not None and page is not None:
-                shape = self._kv_shapes.get(message.model_dir)  # read by the launch already: no thread hop
+                shape = self._grants_of.known_shape(message.model_dir)  # read by the launch: no thread hop
                 if shape is None:
-                    shape = await asyncio.to_thread(self._model_shape, message.model_dir)
+                    shape = await asyncio.to_thread(self._grants_of.model_shape, message.model_dir)
                 profile, context = shape
                 view = instance_view(page, start.spec, profile, context)
             name = function_name(start.spec)
@@ -342,8 +335,12 @@ class NodeAgent:
         """Assign ``message`` to ``worker`` (a ``kind``: standby or survivor); None when that
         failed (the worker is ended): the start goes on from a pre-warmed worker."""
         try:
-            return worker, message, await self._assign(worker, message, start.on_target)
-        except _InitFailed:  # the function's own initializer: it would fail on any worker
+            return (
+                worker,
+                message,
+                await self._assign(worker, message, start),
+            )
+        except InitFailed:  # the function's own initializer: it would fail on any worker
             raise
         except LaunchError as exc:  # the ordinary start still can
             log.warning("%s failed, %s starts from a pre-warmed worker: %s", kind, start.instance_id, exc)
@@ -366,45 +363,19 @@ class NodeAgent:
             # cannot do that itself (runtime.worker_limits).
             boost(worker.proc.pid)
             try:
-                return worker, message, await self._assign(worker, message, start.on_target)
-            except _Undelivered as exc:  # a dead worker: nothing was delivered, take another
+                return (
+                    worker,
+                    message,
+                    await self._assign(worker, message, start),
+                )
+            except Undelivered as exc:  # a dead worker: nothing was delivered, take another
                 if attempt == self.config.prewarm:
                     raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _assign(
-        self,
-        worker: WorkerHandle,
-        message: AssignMessage,
-        on_target: OnTarget | None = None,
-    ) -> AssignReply:
-        """``/_ember/assign`` ``message`` to ``worker``; a worker that fails it is ended
-        (:class:`_Undelivered` when the connection failed: nothing reached it). ``on_target``
-        is told the worker as the assign goes out."""
-        drain_s = self.config.drain_timeout_s
-        if on_target is not None:  # the worker holds what comes before the assign (either order)
-            on_target(worker.url, worker.token)
-        try:
-            resp = await self._http.post(worker, "assign", message.to_json())
-        except WorkerUnreachable as exc:
-            await worker.terminate(drain_s)
-            raise _Undelivered(str(exc)) from None
-        except WorkerCallFailed as exc:
-            await worker.terminate(drain_s)
-            raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None
-        except BaseException:  # cancelled (the scheduler closing): a worker half assigned, ended
-            await worker.terminate(drain_s)
-            raise
-        if resp.status != 200:
-            await worker.terminate(drain_s)
-            kinds = {FUNCTION_INIT_FAILED: _InitFailed, OutOfMemory.code: NoRoom}
-            kind = kinds.get(resp.error_type() or "", LaunchError)
-            raise kind(f"worker refused the function: {resp.error_message()}")
-        try:
-            return AssignReply.from_json(resp.content)
-        except MessageError as exc:
-            await worker.terminate(drain_s)
-            raise LaunchError(f"worker {worker.pid} sent a malformed assign reply: {exc}") from None
+    async def _assign(self, worker: WorkerHandle, message: AssignMessage, start: _Start) -> AssignReply:
+        """:func:`runtime.assign_call.assign` ``message`` to ``worker`` (ended if it fails)."""
+        return await assign(self._http, worker, message, self.config.drain_timeout_s, start.on_target)
 
     def _new_instance_threads(self) -> int:
         """The intra-op threads of an instance about to start on the CPU device (its share
@@ -421,8 +392,8 @@ class NodeAgent:
         """What ``/_ember/assign`` tells a worker, with a pool ticket for the instance's KV quota."""
         spec, model_dir, device = start.spec, start.model["dir"], start.device
         concurrency = int(spec["spec"]["scaling"]["concurrency"])
-        quota = await asyncio.to_thread(self._kv_quota, model_dir, concurrency)
-        ticket = await self._grant_ticket(device, quota, kv_scope(spec))
+        quota = await asyncio.to_thread(self._grants_of.kv_quota, model_dir, concurrency)
+        ticket = await self._grants_of.ticket(device, quota, kv_scope(spec))
         socket_path = self.pools[device].socket_path
         try:
             return AssignMessage(
@@ -439,39 +410,6 @@ class NodeAgent:
             )
         except MessageError as exc:
             raise LaunchError(f"cannot assign instance {start.instance_id}: {exc}") from None
-
-    async def _grant_ticket(self, device: str, kv_quota_bytes: int, prefix_scope: str) -> str:
-        return await asyncio.to_thread(self._grant, device, kv_quota_bytes, prefix_scope)
-
-    def _kv_quota(self, model_dir: str, concurrency: int) -> int:
-        """The KV quota of an instance of ``model_dir`` (:func:`runtime.kv_quota.instance_kv_quota`)."""
-        from runtime.kv_quota import instance_kv_quota
-
-        profile, context = self._model_shape(model_dir)
-        return instance_kv_quota(profile, context, concurrency, self.config.arena_bytes)
-
-    def _model_shape(self, model_dir: str) -> tuple[dict[str, Any], int]:
-        """The CPU profile and the context of ``model_dir`` (read once per model: launches stay
-        off the disk)."""
-        from runtime.registry import load
-
-        shape = self._kv_shapes.get(model_dir)
-        if shape is None:
-            model = load(Path(model_dir))
-            shape = self._kv_shapes[model_dir] = (
-                model.profile("cpu"),
-                int(model.config["max_position_embeddings"]),
-            )
-        return shape
-
-    def _grant(self, device: str, kv_quota_bytes: int, prefix_scope: str) -> str:
-        """A single-use pool ticket for one instance's session (this agent is the pool's admin):
-        its KV quota, and the scope its published prefix KV is shared in (its function's)."""
-        from gpu_pool.client import PoolClient
-
-        pool = self.pools[device]
-        with PoolClient(pool.socket_path, timeout=5.0, admin_token=pool.admin_token) as client:
-            return client.grant(kv_quota_bytes, prefix_scope)
 
     async def evict(self, model_id: str | None = None) -> int:
         """Admin: evict the inactive tensors of ``model_id`` (all models: None) from every pool;

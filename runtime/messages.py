@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from gpu_pool.acquire_report import AcquireReport
@@ -75,6 +76,12 @@ def _check_function(
     tokens = body.get("maxTokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise MessageError("spec.spec.maxTokens must be a positive integer")
+
+
+def _encode(message: Any) -> str:
+    """A message dataclass as JSON. Its fields hold JSON values already: no ``asdict``, whose
+    deep copy of a spec document cost ~0.1 ms on the cold path's assign."""
+    return json.dumps({f.name: getattr(message, f.name) for f in dataclass_fields(message)})
 
 
 def _timings(timings: Any) -> None:
@@ -145,7 +152,7 @@ class AssignMessage(_FunctionMessage):
             raise MessageError("deadline must be a finite, positive number of epoch seconds")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return _encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> AssignMessage:
@@ -184,7 +191,7 @@ class StandbyMessage(_FunctionMessage):
         )
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return _encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> StandbyMessage:
@@ -203,7 +210,7 @@ class StandbyReply:
         _timings(self.timings_ms)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return _encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> StandbyReply:
@@ -221,7 +228,7 @@ class PreloadMessage:
         _text(self.model_dir, "model_dir")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return _encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PreloadMessage:
@@ -241,7 +248,7 @@ class ThreadsMessage:
             raise MessageError(f"num_threads must be a positive integer (at most {MAX_THREADS})")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return _encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ThreadsMessage:

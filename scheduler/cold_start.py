@@ -143,7 +143,8 @@ class ColdStarter:
                 await self.report()
             except SchedulerError as exc:  # Redis away: the last reports (a refusal places again)
                 log.warning("placing on the last device reports: publishing them failed: %s", exc)
-        return await on_loop(self.state.device_reports)
+        devices = self.launcher.devices()  # the only ones placed on: no SCAN of every node's
+        return await on_loop(lambda retry: self.state.device_reports(retry, devices))
 
     def launching(self, instance_id: str) -> bool:
         """Whether this gateway is starting ``instance_id`` now."""

@@ -58,6 +58,14 @@ class StatePersistenceFailed(StateNotWritable):
     code = "state_persistence_failed"
 
 
+class StoredNotDurable(StateNotWritable):
+    """A change was stored but Redis did not confirm it on disk (a slow or full disk, a failed
+    fsync): it may not survive a Redis crash. The operation's other effects still happened;
+    the client is told (503) and may repeat it: deploys are idempotent."""
+
+    code = "state_not_durable"
+
+
 class Rejected(SchedulerError):
     """The request cannot start before its deadline (HTTP 503 with Retry-After)."""
 

@@ -5,7 +5,8 @@ listens on a Unix socket under the state directory (no port to collide with) and
 append-only file there, so deployed functions survive a Redis restart: with ``appendfsync no``,
 which writes every command to the file before replying (``everysec`` may hold writes back for
 2 s and lose them to a SIGKILL), and :meth:`EmbeddedRedis.sync_files`, which the cluster state
-calls after a function record changes (:mod:`scheduler.durable`). ``ember serve``
+calls after a record changes (:mod:`scheduler.durable`) and :meth:`EmbeddedRedis.keep_synced`
+every second. ``ember serve``
 polls :meth:`EmbeddedRedis.alive` and calls :meth:`EmbeddedRedis.restart` when it died
 (``runtime.supervisor``): the new server reads the same append-only file.
 
@@ -18,11 +19,14 @@ process through ``/proc``), kept in ``directory/password`` (0600; the sandbox hi
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import errno
 import importlib.util
+import logging
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,6 +35,10 @@ from pathlib import Path
 from scheduler.errors import StateUnavailable
 
 PASSWORD_FILE = "password"  # in the server's directory, 0600
+AOF_NAME = "appendonly.aof"  # Redis's default appendfilename (6.2: the file; 7+: the files' prefix)
+SYNC_PERIOD_S = 1.0  # keep_synced's period
+
+log = logging.getLogger("ember.scheduler")
 
 
 def find_redis_server() -> str:
@@ -93,6 +101,7 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--dir", str(self.directory),
             "--appendonly", "yes",
+            "--appendfilename", AOF_NAME,
             "--appendfsync", "no",  # never holds a write back; records are fsynced by sync_files
             "--save", "",
             "--daemonize", "no",
@@ -140,25 +149,49 @@ class EmbeddedRedis:
 
     def sync_files(self) -> None:
         """fsync the append-only file(s) and their directories, so that what the server
-        wrote to them survives a power loss (Redis 6.2 keeps ``appendonly.aof``; 7.0 and
-        later an ``appendonlydir/``). A file a rewrite renames away meanwhile was complete."""
+        wrote to them survives a power loss: ``appendonly.aof`` (Redis 6.2) or the files of
+        ``appendonlydir/`` (7.0 and later). Regular files only, never followed through a
+        link, opened without blocking (nothing else in the directory can stall a deploy);
+        a file a rewrite renamed away meanwhile was complete. Raises ``OSError``."""
         for folder in (self.directory, self.directory / "appendonlydir"):
             try:
-                names = [name for name in os.listdir(folder) if name.startswith("appendonly")]
+                listed = os.listdir(folder)
             except FileNotFoundError:
                 continue
+            if folder == self.directory:
+                names = [AOF_NAME] if AOF_NAME in listed else []
+            else:
+                names = [name for name in listed if name.startswith(AOF_NAME)]
             for name in names:
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW)
-                    try:
+                try:
+                    fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:  # a link: not a file Redis writes
+                        continue
+                    raise
+                try:
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
                         os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                finally:
+                    os.close(fd)
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(fd)  # a file created since the last sync
             finally:
                 os.close(fd)
+
+    async def keep_synced(self, period_s: float = SYNC_PERIOD_S) -> None:
+        """fsync the append-only file every ``period_s`` until cancelled: what ``appendfsync
+        everysec`` did for every write, without holding writes back (records are synced on
+        write besides, :mod:`scheduler.durable`). A failure is logged and tried again."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await asyncio.to_thread(self.sync_files)
+            except OSError as exc:
+                log.warning("syncing the embedded Redis's append-only file failed: %s", exc)
 
     def restart(self) -> None:
         """Stop (or reap) the server and start a new one on the same directory."""

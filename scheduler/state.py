@@ -27,7 +27,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import redis
@@ -83,6 +83,8 @@ class ClusterState:
         self._records = RecordWriter(client, sync_records)
         self._put_function = client.register_script(scripts.PUT_FUNCTION)
         self._delete_function = client.register_script(scripts.DELETE_FUNCTION)
+        self._set_field = client.register_script(scripts.SET_FIELD)
+        self._delete_fields = client.register_script(scripts.DELETE_FIELDS)
         self._scale_up = client.register_script(scripts.SCALE_UP)
         self._transition = client.register_script(scripts.TRANSITION)
         self._acquire = client.register_script(scripts.ACQUIRE)
@@ -219,6 +221,16 @@ class ClusterState:
         keys = [f"{self.p}functions", f"{self.p}function_min_scale"]
         if not int(self._call(lambda: self._records.run(self._delete_function, keys, [name]))):
             raise FunctionNotFound(f"function {name!r} is not deployed")
+
+    def put_record_field(self, name: str, field: str, value: str) -> None:
+        """Set ``field`` of the record hash ``{p}{name}`` (tenant keys, say), durably."""
+        keys = [f"{self.p}{name}"]
+        self._call(lambda: self._records.run(self._set_field, keys, [field, value]))
+
+    def delete_record_fields(self, name: str, fields: Sequence[str]) -> int:
+        """Delete ``fields`` of the record hash ``{p}{name}``, durably; how many were there."""
+        keys, args = [f"{self.p}{name}"], list(fields)
+        return int(self._call(lambda: self._records.run(self._delete_fields, keys, args))) if args else 0
 
     # ----- instances ---------------------------------------------------------------------
 
@@ -397,22 +409,30 @@ class ClusterState:
         value = json.dumps(DeviceReport.encode(report))
         self._call(lambda: self.r.set(f"{self.p}device:{device_id}", value))
 
-    def device_reports(self, retry: bool = True) -> dict[str, DeviceReport]:
+    def device_reports(
+        self, retry: bool = True, device_ids: Sequence[str] | None = None
+    ) -> dict[str, DeviceReport]:
         """Every device's latest well-formed report, by device id (sorted); malformed ones
         are left out (:meth:`device_reports_or_errors` says why)."""
-        reports = self.device_reports_or_errors(retry)
+        reports = self.device_reports_or_errors(retry, device_ids)
         return {k: v for k, v in reports.items() if isinstance(v, DeviceReport)}
 
-    def device_reports_or_errors(self, retry: bool = True) -> dict[str, DeviceReport | RecordError]:
-        """Every device's latest report, by device id (sorted), or the :class:`RecordError`
-        its document raised: one node's malformed report must not hide every other node's.
-        ``retry=False``: one attempt, :class:`StateUnavailable` at once when Redis is away."""
-        pattern = f"{self.p}device:*"
-        # Two round trips whatever the device count (the scheduler extender reads every report
-        # per placement): one SCAN page of up to 1000 keys at a time, then one MGET.
-        keys: list[str] = self._once_or_retry(
-            lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)), retry
-        )
+    def device_reports_or_errors(
+        self, retry: bool = True, device_ids: Sequence[str] | None = None
+    ) -> dict[str, DeviceReport | RecordError]:
+        """Every device's latest report (of ``device_ids`` only, when given), by device id
+        (sorted), or the :class:`RecordError` its document raised: one node's malformed report
+        must not hide every other node's. ``retry=False``: one attempt,
+        :class:`StateUnavailable` at once when Redis is away."""
+        if device_ids is not None:  # one round trip (a cold start places on its node's devices)
+            keys = sorted(f"{self.p}device:{d}" for d in set(device_ids))
+        else:
+            # Two round trips whatever the device count (the scheduler extender reads every
+            # report per placement): one SCAN page of up to 1000 keys at a time, then one MGET.
+            pattern = f"{self.p}device:*"
+            keys = self._once_or_retry(
+                lambda: sorted(str(k) for k in self.r.scan_iter(pattern, count=1000)), retry
+            )
         if not keys:
             return {}
         values: list[str | None] = self._once_or_retry(functools.partial(self.r.mget, keys), retry)

@@ -5,6 +5,17 @@ or double-stop an instance nor take a namespace past its quota. Each script's co
 its KEYS, its ARGV and its reply; keys are named in :mod:`scheduler.state`.
 """
 
+# Set one field of a record hash (written durably: scheduler.durable). KEYS: the hash. ARGV:
+# field, value. HSET's reply.
+SET_FIELD = """
+return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+# Delete fields of a record hash (durably). KEYS: the hash. ARGV: the fields. HDEL's reply.
+DELETE_FIELDS = """
+return redis.call('HDEL', KEYS[1], unpack(ARGV))
+"""
+
 # Delete a function: its record and its minScale go together. KEYS: the function hash, the
 # minScale hash. ARGV: id. Returns 1 when the function was deployed, else 0.
 DELETE_FUNCTION = """

@@ -31,7 +31,7 @@ from gateway.function_code import split_upload, store_handler
 from gateway.limits import JSONError, load_json
 from gateway.tenants import Principal
 from scheduler import names
-from scheduler.errors import FunctionNotFound
+from scheduler.errors import FunctionNotFound, StoredNotDurable
 from scheduler.records import FunctionRecord, ModelRef
 from scheduler.spec import FunctionSpec, SpecError, parse_function, parse_function_yaml
 from scheduler.state import ClusterState
@@ -83,7 +83,13 @@ def function_routes(
             previous: FunctionRecord | None = await asyncio.to_thread(state.function, function_id)
         except FunctionNotFound:
             previous = None
-        await asyncio.to_thread(state.put_function, function_id, document, model, *caps)
+        # Stored but not confirmed on disk: the deploy's other effects still happen, then the
+        # client is told (503) and may repeat it (scheduler.durable).
+        not_durable: StoredNotDurable | None = None
+        try:
+            await asyncio.to_thread(state.put_function, function_id, document, model, *caps)
+        except StoredNotDurable as exc:
+            not_durable = exc
         if deployments is not None:
             record = FunctionRecord.create(function_id, document, model)
             try:
@@ -95,6 +101,8 @@ def function_routes(
             serving.invoker.forget(function_id)
             if previous is not None and (previous.spec, previous.model) != (document, model):
                 await serving.router.retire(function_id)  # running instances serve the old version
+        if not_durable is not None:
+            raise not_durable
         return document
 
     def in_namespace(who: Principal, namespace: str | None) -> dict[str, dict[str, Any]]:
@@ -124,12 +132,18 @@ def function_routes(
         if serving is not None and serving.deployments is not None:
             await asyncio.to_thread(state.function, name)  # 404 for unknown functions, before the API
             await asyncio.to_thread(serving.deployments.remove, name)
-        await asyncio.to_thread(state.delete_function, name)
+        not_durable: StoredNotDurable | None = None  # deleted, not confirmed on disk: as in deploy
+        try:
+            await asyncio.to_thread(state.delete_function, name)
+        except StoredNotDurable as exc:
+            not_durable = exc
         if config.code is not None:
             await asyncio.to_thread(config.code.remove, name)
         if serving is not None:
             serving.invoker.forget(name)
             await serving.router.retire(name)
+        if not_durable is not None:
+            raise not_durable
         return Response(status_code=204)
 
     @router.get("/v1/functions/{name}/logs")

