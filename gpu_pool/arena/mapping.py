@@ -45,6 +45,42 @@ def map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module (3.11)
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def page_ranges(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (offset, length) ranges of whole pages covering the byte ``spans`` (offset, length),
+    merged where they touch or overlap, in order."""
+    out: list[tuple[int, int]] = []
+    for offset, length in sorted(spans):
+        if length <= 0:
+            continue
+        start = offset - offset % PAGE_BYTES
+        end = -(-(offset + length) // PAGE_BYTES) * PAGE_BYTES
+        if out and start <= out[-1][0] + out[-1][1]:
+            last_start, last_length = out[-1]
+            out[-1] = (last_start, max(last_length, end - last_start))
+        else:
+            out.append((start, end - start))
+    return out
+
+
+def populate_read(base_address: int, ranges: Iterable[tuple[int, int]]) -> str | None:
+    """Fill this process's page tables for ``ranges`` (offset, length; page-aligned) of the
+    mapping at ``base_address``, read-only, copying nothing: the first pass over them then
+    takes no page faults. Returns None, or why the kernel refused (EINVAL before Linux 5.14:
+    the pages then fault in on first use, as without this)."""
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise  # a ctypes call releases the GIL
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for offset, length in ranges:
+        if madvise(base_address + offset, length, MADV_POPULATE_READ) != 0:
+            return os.strerror(ctypes.get_errno())
+    return None
+
+
 class Views:
     """Tensor views at byte offsets of one storage (the arena, or a session's KV memory).
 
