@@ -128,6 +128,15 @@ class Serving:
     register_adapters: AdapterRegistrar | None = None
 
 
+def _ended_early(task: asyncio.Task[None]) -> None:
+    """Log a background job (supervision, reconcile, fsync) that ended before shutdown: each
+    runs until cancelled, so one that returned or raised stopped doing its part."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    log.error("background task %s ended: %r", task.get_coro(), exc, exc_info=exc)
+
+
 def create_app(
     state: ClusterState, config: GatewayConfig | None = None, serving: Serving | None = None
 ) -> FastAPI:
@@ -137,6 +146,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(job()) for job in (serving.background if serving else [])]
+        for task in tasks:
+            task.add_done_callback(_ended_early)
         try:
             yield
         finally:

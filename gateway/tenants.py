@@ -19,6 +19,7 @@ request), so a revoked key stops working at once on the gateway that revoked it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -32,7 +33,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway.proxy import BadRequest
 from scheduler import names
-from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict
+from scheduler.errors import FunctionNotFound, SchedulerError, StateConflict, StoredNotDurable
 from scheduler.spec import FunctionSpec
 from scheduler.state import ClusterState
 
@@ -160,7 +161,14 @@ class TenantKeys:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         hashed = digest(key)
         value = json.dumps({"v": ENCODING_VERSION, "namespace": namespace, "created": time.time()})
-        self.state.put_record_field(RECORD, hashed, value)  # durable before the key is handed out
+        try:
+            self.state.put_record_field(RECORD, hashed, value)  # durable before the key is handed out
+        except StoredNotDurable:
+            # Stored, never handed out: take it back (best effort) so that it does not count
+            # against the namespace's keys; the client repeats the request for a new one.
+            with contextlib.suppress(SchedulerError):
+                self.state.delete_record_fields(RECORD, [hashed])
+            raise
         return key, key_id(hashed)
 
     def namespace_of(self, hashed: str) -> str | None:
@@ -276,7 +284,7 @@ def tenant_routes(auth: Authenticator, caller: Callable[..., Awaitable[Principal
     async def create(request: Request, who: Principal = dep) -> dict[str, str]:
         admin(who)
         namespace = await _new_namespace(request)
-        key, kid = await asyncio.to_thread(keys.create, namespace)
+        key, kid = await asyncio.to_thread(keys.create, namespace)  # (see TenantKeys.create)
         return {"namespace": namespace, "key": key, "id": kid}
 
     @router.get("/v1/tenants")
@@ -288,8 +296,10 @@ def tenant_routes(auth: Authenticator, caller: Callable[..., Awaitable[Principal
     async def revoke(who: Principal, namespace: str, kid: str | None) -> dict[str, Any]:
         """Idempotent: revoking what is not there revokes nothing (``revoked: 0``)."""
         admin(who)
-        revoked = await asyncio.to_thread(keys.revoke, namespace, kid)
-        auth.forget()
+        try:
+            revoked = await asyncio.to_thread(keys.revoke, namespace, kid)
+        finally:  # revoked in Redis even when not confirmed on disk (a 503): forgotten here at once
+            auth.forget()
         return {"namespace": namespace, "revoked": revoked}
 
     @router.delete("/v1/tenants/{namespace}")

@@ -43,6 +43,7 @@ log = logging.getLogger("ember.scheduler")
 
 DEFAULT_WAITAOF_TIMEOUT_MS = 3000  # an everysec fsync plus Redis's 2 s hold-back on a busy disk
 RECHECK_S = 60.0  # how long a server that cannot confirm writes is taken at its word
+HIDDEN_POLICY_TIMEOUTS = 2  # WAITAOF timeouts in a row that make a CONFIG-less server "cannot"
 
 
 class RecordWriter:
@@ -65,6 +66,8 @@ class RecordWriter:
         self._policy_read = False
         self._recheck_at = 0.0
         self._warned = False
+        self._policy_hidden = False  # CONFIG GET appendfsync was refused
+        self._timeouts = 0  # WAITAOF timeouts in a row
 
     def run(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """``script``'s reply, once its write is durable. Redis errors propagate as redis-py
@@ -94,13 +97,18 @@ class RecordWriter:
         if isinstance(waited, Exception):
             raise waited
         if int(waited[0]) < 1:
-            self._read_policy()  # appendfsync set to no meanwhile: never confirmed
-            if not self.waitaof:
+            self._timeouts += 1
+            if not self._read_policy():  # appendfsync set to no meanwhile: never confirmed
                 return reply
+            if self._policy_hidden and self._timeouts >= HIDDEN_POLICY_TIMEOUTS:
+                # CONFIG is hidden from us, so a server that never fsyncs looks like a slow
+                # disk: after that many timeouts in a row, take it for one that cannot confirm.
+                self._give_up(f"WAITAOF timed out {self._timeouts} times and CONFIG is not readable")
             raise StoredNotDurable(
                 f"the change is stored, but Redis did not confirm it on disk within {self._timeout_ms} ms "
                 "(a slow disk?): it may not survive a Redis crash; repeating the request is safe"
             )
+        self._timeouts = 0
         return reply
 
     def _sync_embedded(self) -> None:
@@ -113,7 +121,13 @@ class RecordWriter:
                 f"the change is stored, but syncing Redis's append-only file failed ({exc.strerror}): "
                 "it may not survive a power loss; repeating the request is safe"
             ) from None
-        status = self._client.info("persistence").get("aof_last_write_status")
+        try:  # the write happened: a lost connection here must not make the caller run it again
+            status = self._client.info("persistence").get("aof_last_write_status")
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoredNotDurable(
+                f"the change is stored, but Redis went away before confirming it was written ({exc}): "
+                "repeating the request is safe"
+            ) from None
         if status not in ("ok", b"ok"):
             raise StoredNotDurable(
                 "the change is stored in memory, but Redis could not write its append-only file "
@@ -121,18 +135,23 @@ class RecordWriter:
                 "Redis can write again"
             )
 
-    def _read_policy(self) -> None:
+    def _read_policy(self) -> bool:
         """Turn WAITAOF off for a server whose ``appendfsync`` is ``no`` (it never fsyncs, so
-        it never confirms). A server that does not let us read its configuration is tried."""
+        it never confirms); returns whether WAITAOF stays on. A server that does not let us
+        read its configuration is tried (``_policy_hidden``)."""
         try:
             policy = self._client.config_get("appendfsync").get("appendfsync")
         except redis.exceptions.ResponseError:  # CONFIG renamed or not in the ACL: try WAITAOF
-            return
+            self._policy_hidden = True
+            return self.waitaof
+        self._policy_hidden = policy is None
         if policy in ("no", b"no"):
             self._give_up("its appendfsync is no")
+        return self.waitaof
 
     def _give_up(self, why: str) -> None:
         self.waitaof = False
+        self._timeouts = 0
         self._recheck_at = time.monotonic() + RECHECK_S
         if not self._warned:
             self._warned = True

@@ -20,7 +20,6 @@ process through ``/proc``), kept in ``directory/password`` (0600; the sandbox hi
 from __future__ import annotations
 
 import asyncio
-import errno
 import importlib.util
 import logging
 import os
@@ -156,7 +155,7 @@ class EmbeddedRedis:
         for folder in (self.directory, self.directory / "appendonlydir"):
             try:
                 listed = os.listdir(folder)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             if folder == self.directory:
                 names = [AOF_NAME] if AOF_NAME in listed else []
@@ -165,12 +164,10 @@ class EmbeddedRedis:
             for name in names:
                 try:
                     fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                except FileNotFoundError:
+                except OSError:
+                    # Gone (a rewrite renamed it), a link, a socket, another uid's: not a file
+                    # this server writes (it runs as our uid and opens its files plainly).
                     continue
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:  # a link: not a file Redis writes
-                        continue
-                    raise
                 try:
                     if stat.S_ISREG(os.fstat(fd).st_mode):
                         os.fsync(fd)
@@ -190,8 +187,8 @@ class EmbeddedRedis:
             await asyncio.sleep(period_s)
             try:
                 await asyncio.to_thread(self.sync_files)
-            except OSError as exc:
-                log.warning("syncing the embedded Redis's append-only file failed: %s", exc)
+            except Exception:  # never ends the loop: the next second tries again
+                log.exception("syncing the embedded Redis's append-only file failed")
 
     def restart(self) -> None:
         """Stop (or reap) the server and start a new one on the same directory."""

@@ -129,12 +129,14 @@ def function_routes(
     @router.delete("/v1/functions/{name}", status_code=204)
     async def delete(name: str, who: Principal = caller, namespace: str | None = None) -> Response:
         name = who.function(name, namespace)
+        await asyncio.to_thread(state.function, name)  # 404 for unknown functions, before anything
         if serving is not None and serving.deployments is not None:
-            await asyncio.to_thread(state.function, name)  # 404 for unknown functions, before the API
             await asyncio.to_thread(serving.deployments.remove, name)
         not_durable: StoredNotDurable | None = None  # deleted, not confirmed on disk: as in deploy
         try:
             await asyncio.to_thread(state.delete_function, name)
+        except FunctionNotFound:  # deleted since the check (a concurrent delete, or a write run
+            pass  # again after a lost connection): the rest of the delete still happens
         except StoredNotDurable as exc:
             not_durable = exc
         if config.code is not None:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler.durable import RecordWriter
+from scheduler.durable import HIDDEN_POLICY_TIMEOUTS, RecordWriter
 from scheduler.errors import StateUnavailable, StoredNotDurable
 from scheduler.redis_server import EmbeddedRedis
 from scheduler.state import ClusterState
@@ -222,8 +223,82 @@ def test_sync_files_skips_what_is_not_the_servers(
     (folder / "appendonlydir").mkdir()
     (folder / "appendonlydir" / "appendonly.aof.link").symlink_to(tmp_path / "nowhere")
     os.mkfifo(folder / "appendonlydir" / "appendonly.aof.fifo")
-    state.put_function("a", spec("a"))  # returns: no FIFO opened for blocking, no link followed
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(folder / "appendonlydir" / "appendonly.aof.sock"))
+        state.put_function("a", spec("a"))  # returns: no FIFO opened for blocking, no link followed
     assert "a" in state.functions()
+
+
+def test_sync_files_skips_a_file_where_redis_7_keeps_its_folder(
+    redis_server: EmbeddedRedis, state: ClusterState
+) -> None:
+    (redis_server.directory / "appendonlydir").write_text("not a folder")
+    state.put_function("a", spec("a"))
+    assert "a" in state.functions()
+
+
+def test_a_redis_gone_after_the_write_is_not_written_again(
+    redis_server: EmbeddedRedis, state: ClusterState
+) -> None:
+    """Redis dies after a delete's write, before saying whether its file took it: the delete
+    is not run again on the restarted server (it would find nothing: a 404 for a delete
+    that happened), it is StoredNotDurable; the write was in the file, so it holds."""
+    state.put_function("a", spec("a"))
+
+    def sync_then_die() -> None:
+        redis_server.sync_files()
+        assert redis_server.pid is not None
+        os.kill(redis_server.pid, signal.SIGKILL)
+
+    dying = ClusterState(state.r, sync_records=sync_then_die, retry_seconds=1.0)
+    with pytest.raises(StoredNotDurable, match="went away before confirming"):
+        dying.delete_function("a")
+    redis_server.restart()
+    assert "a" not in state.functions()
+
+
+def test_a_redis_that_hides_its_config_and_never_fsyncs_is_given_up_on(
+    own_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis.Redis.from_url(own_redis.url)
+    admin.config_set("appendfsync", "no")
+    admin.acl_setuser(
+        "gateway", enabled=True, passwords=["+secret-enough"], keys=["*"], commands=["+@all", "-config"]
+    )
+    client = redis.Redis.from_url(f"unix://gateway:secret-enough@{own_redis.socket_path}")
+    script = client.register_script("return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])")
+    writer = RecordWriter(client, waitaof_timeout_ms=50)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ember.scheduler"):
+            for i in range(HIDDEN_POLICY_TIMEOUTS):  # a slow disk, as far as it can tell
+                with pytest.raises(StoredNotDurable, match="within 50 ms"):
+                    writer.run(script, ["h"], [f"k{i}", "v"])
+            t0 = time.monotonic()
+            writer.run(script, ["h"], ["last", "v"])  # then it stops waiting
+            assert time.monotonic() - t0 < 0.05 and not writer.waitaof
+        said = [r.getMessage() for r in caplog.records if "cannot confirm" in r.getMessage()]
+        assert len(said) == 1 and "CONFIG is not readable" in said[0]
+    finally:
+        admin.close()
+        client.close()
+
+
+def test_a_tenant_key_not_on_disk_is_not_kept(redis_server: EmbeddedRedis) -> None:
+    """Its create answered 503: the key was never handed out, so it does not count."""
+    from gateway.tenants import TenantKeys
+
+    def failing() -> None:
+        raise OSError(5, "Input/output error")
+
+    state = ClusterState.from_url(redis_server.url, sync_records=failing)
+    keys = TenantKeys(state)
+    try:
+        for _ in range(20):  # more than a namespace's cap of keys: none of them counts
+            with pytest.raises(StoredNotDurable):
+                keys.create("team")
+        assert keys.list() == {}
+    finally:
+        state.close()
 
 
 def test_a_deploy_redis_could_not_write_is_not_acknowledged(tmp_path: Path) -> None:
