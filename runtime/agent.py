@@ -338,7 +338,7 @@ class NodeAgent:
             return (
                 worker,
                 message,
-                await self._assign(worker, message, start),
+                await self._assign(worker, message, start.on_target),
             )
         except InitFailed:  # the function's own initializer: it would fail on any worker
             raise
@@ -366,16 +366,18 @@ class NodeAgent:
                 return (
                     worker,
                     message,
-                    await self._assign(worker, message, start),
+                    await self._assign(worker, message, start.on_target),
                 )
             except Undelivered as exc:  # a dead worker: nothing was delivered, take another
                 if attempt == self.config.prewarm:
                     raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _assign(self, worker: WorkerHandle, message: AssignMessage, start: _Start) -> AssignReply:
+    async def _assign(
+        self, worker: WorkerHandle, message: AssignMessage, on_target: OnTarget | None = None
+    ) -> AssignReply:
         """:func:`runtime.assign_call.assign` ``message`` to ``worker`` (ended if it fails)."""
-        return await assign(self._http, worker, message, self.config.drain_timeout_s, start.on_target)
+        return await assign(self._http, worker, message, self.config.drain_timeout_s, on_target)
 
     def _new_instance_threads(self) -> int:
         """The intra-op threads of an instance about to start on the CPU device (its share
