@@ -335,11 +335,7 @@ class NodeAgent:
         """Assign ``message`` to ``worker`` (a ``kind``: standby or survivor); None when that
         failed (the worker is ended): the start goes on from a pre-warmed worker."""
         try:
-            return (
-                worker,
-                message,
-                await self._assign(worker, message, start.on_target),
-            )
+            return worker, message, await self._assign(worker, message, start.on_target)
         except InitFailed:  # the function's own initializer: it would fail on any worker
             raise
         except LaunchError as exc:  # the ordinary start still can
@@ -363,11 +359,7 @@ class NodeAgent:
             # cannot do that itself (runtime.worker_limits).
             boost(worker.proc.pid)
             try:
-                return (
-                    worker,
-                    message,
-                    await self._assign(worker, message, start.on_target),
-                )
+                return worker, message, await self._assign(worker, message, start.on_target)
             except Undelivered as exc:  # a dead worker: nothing was delivered, take another
                 if attempt == self.config.prewarm:
                     raise LaunchError(f"no pre-warmed worker was reachable: {exc}") from None

@@ -20,6 +20,7 @@ process through ``/proc``), kept in ``directory/password`` (0600; the sandbox hi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -152,30 +153,28 @@ class EmbeddedRedis:
         ``appendonlydir/`` (7.0 and later). Regular files only, never followed through a
         link, opened without blocking (nothing else in the directory can stall a deploy);
         a file a rewrite renamed away meanwhile was complete. Raises ``OSError``."""
-        for folder in (self.directory, self.directory / "appendonlydir"):
+        files = [self.directory / AOF_NAME]
+        folders = [self.directory]
+        newer = self.directory / "appendonlydir"
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            files += [path for path in newer.iterdir() if path.name.startswith(AOF_NAME)]
+            folders.append(newer)
+        for path in files:
             try:
-                listed = os.listdir(folder)
-            except (FileNotFoundError, NotADirectoryError):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                # Absent, renamed by a rewrite, a link, a socket, another uid's: not a file
+                # this server writes (it runs as our uid and opens its files plainly).
                 continue
-            if folder == self.directory:
-                names = [AOF_NAME] if AOF_NAME in listed else []
-            else:
-                names = [name for name in listed if name.startswith(AOF_NAME)]
-            for name in names:
-                try:
-                    fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                except OSError:
-                    # Gone (a rewrite renamed it), a link, a socket, another uid's: not a file
-                    # this server writes (it runs as our uid and opens its files plainly).
-                    continue
-                try:
-                    if stat.S_ISREG(os.fstat(fd).st_mode):
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        for folder in folders:  # a file created since the last sync
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                os.fsync(fd)  # a file created since the last sync
+                os.fsync(fd)
             finally:
                 os.close(fd)
 

@@ -38,11 +38,11 @@ import numpy as np
 
 from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.arena.direct_read import StoreFile
+from gpu_pool.arena.madvise import MADV_POPULATE_WRITE, madvise
 
 # Linux 5.1+; Python's fcntl module does not export it (3.11).
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
-MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python's mmap module (3.11)
 PREFAULT_STEP = 16 << 20  # bytes per madvise call: bounds how long close() waits for the thread
 
 
@@ -88,15 +88,14 @@ class CpuArena(BaseArena):
 
     def _prefault(self) -> None:
         """Populate the mapping writable, a step at a time (see the module docstring)."""
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # a ctypes call releases the GIL
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         try:
             for start in range(0, self.capacity, PREFAULT_STEP):
                 if self._stop_prefault.is_set():
                     return
                 length = min(PREFAULT_STEP, self.capacity - start)
-                if madvise(self._base + start, length, MADV_POPULATE_WRITE) != 0:
-                    self.prefault_error = os.strerror(ctypes.get_errno())  # EINVAL: kernel < 5.14
+                refused = madvise(self._base + start, length, MADV_POPULATE_WRITE)  # GIL released
+                if refused is not None:
+                    self.prefault_error = refused  # EINVAL: kernel < 5.14
                     return
         finally:
             self.prefaulted.set()

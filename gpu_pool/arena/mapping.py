@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gpu_pool.arena.madvise import MADV_POPULATE_READ, madvise
 from gpu_pool.errors import ProtocolError
 from gpu_pool.manifest import DTYPE_ITEMSIZE, TensorEntry
 
@@ -45,7 +46,6 @@ def map_memfd(fd: int, size: int, writable: bool) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module (3.11)
 PAGE_BYTES = mmap.PAGESIZE
 
 
@@ -71,13 +71,10 @@ def populate_read(base_address: int, ranges: Iterable[tuple[int, int]]) -> str |
     mapping at ``base_address``, read-only, copying nothing: the first pass over them then
     takes no page faults. Returns None, or why the kernel refused (EINVAL before Linux 5.14:
     the pages then fault in on first use, as without this)."""
-    import ctypes
-
-    madvise = ctypes.CDLL(None, use_errno=True).madvise  # a ctypes call releases the GIL
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for offset, length in ranges:
-        if madvise(base_address + offset, length, MADV_POPULATE_READ) != 0:
-            return os.strerror(ctypes.get_errno())
+        refused = madvise(base_address + offset, length, MADV_POPULATE_READ)
+        if refused is not None:
+            return refused
     return None
 
 
