@@ -292,6 +292,25 @@ class PoolClient:
         reply, fds = await self._request_async("acquire", **fields)
         return self._with_kv(reply, fds, asked=num_blocks > 0)
 
+    @property
+    def can_reacquire(self) -> bool:
+        """Whether the daemon has :meth:`reacquire_async` (an older one lacks it)."""
+        return "reacquire" in self.features
+
+    async def reacquire_async(self) -> dict[str, int] | None:
+        """Acquire the manifest of this session's last acquire again, after its release (a
+        standby's activation), without sending it or getting every placement back: None when
+        every tensor is still where that acquire placed it (views made then point at them,
+        now pinned), else the new placements (:mod:`gpu_pool.server.repin`)."""
+        reply, fds = await self._request_async("reacquire")
+        for fd in fds:  # (none is sent; a daemon's bug leaks nothing here)
+            os.close(fd)
+        self.last_acquire = AcquireReport.from_wire(reply.get("report"))
+        if reply.get("unchanged") is True:
+            return None
+        placements: dict[str, int] = reply["placements"]
+        return placements
+
     def _with_kv(
         self, reply: dict[str, Any], fds: list[int], asked: bool
     ) -> tuple[dict[str, int], KVBlocks | None]:

@@ -58,6 +58,19 @@ class EarlyTarget(NamedTuple):
     token: str
 
 
+class Claimed(NamedTuple):
+    """Where the request that holds a new instance's first slot goes (:meth:`ColdStarter.start`'s
+    ``claim``): the process it is being activated in (``early``), or the instance, ready."""
+
+    target: EarlyTarget
+    early: bool
+
+
+# Resolved once a start's claimed slot can take its request; None: the start failed (its record
+# and the slot counted on it are gone).
+Claim = asyncio.Future[Claimed | None]
+
+
 class ColdStarter:
     """Starts this gateway's new instances (see the module docstring)."""
 
@@ -216,24 +229,43 @@ class ColdStarter:
         )
 
     async def start(
-        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
+        self,
+        instance_id: str,
+        name: str,
+        record: FunctionRecord,
+        device: str,
+        deadline: float,
+        claim: Claim | None = None,
     ) -> None:
         """Launch ``instance_id`` of ``name`` on ``device`` and record the outcome (never raises
-        for a failed start: it is remembered and the waiting requests are told)."""
+        for a failed start: it is remembered and the waiting requests are told). ``claim``: the
+        request whose slot its record counted from the start is told where to go as soon as
+        the process is named (no Redis round trip on that request's path)."""
         self._launching.add(instance_id)
         try:
-            await self._launch(instance_id, name, record, device, deadline)
+            await self._launch(instance_id, name, record, device, deadline, claim)
         finally:
             self._launching.discard(instance_id)
+            if claim is not None and not claim.done():
+                claim.set_result(None)
 
     async def _launch(
-        self, instance_id: str, name: str, record: FunctionRecord, device: str, deadline: float
+        self,
+        instance_id: str,
+        name: str,
+        record: FunctionRecord,
+        device: str,
+        deadline: float,
+        claim: Claim | None,
     ) -> None:
         keep_alive = record.scaling.keep_alive_s
         t0 = time.perf_counter()
 
         def on_target(url: str, token: str) -> None:  # see BaseLauncher.launch
-            self._targets.setdefault(name, {})[instance_id] = EarlyTarget(instance_id, url, token)
+            target = EarlyTarget(instance_id, url, token)
+            self._targets.setdefault(name, {})[instance_id] = target
+            if claim is not None and not claim.done():
+                claim.set_result(Claimed(target, early=True))
             self._notify(name)
 
         try:
@@ -281,6 +313,8 @@ class ColdStarter:
             return
         self._failures.pop(name, None)
         self._no_room.pop(name, None)
+        if claim is not None and not claim.done():  # (a launcher that names no process early)
+            claim.set_result(Claimed(EarlyTarget(instance_id, started.url, started.token), early=False))
         # The next placement must see this instance's pins: it publishes the report first (see
         # the module docstring), off this start's first request.
         self._num_marked += 1

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from scheduler.cold_start import ColdStarter
+from scheduler.cold_start import Claim, ColdStarter
 from scheduler.errors import Rejected, SchedulerError, StartFailed, StateConflict, StateUnavailable
 from scheduler.launcher import MAX_EARLY, BaseLauncher, StartedInstance
 from scheduler.leases import Leases
@@ -139,6 +139,7 @@ class Router:
             self.config.instances_per_device,
         )
         self._waiting: dict[str, int] = {}
+        self._claims: dict[str, int] = {}  # waiting requests that hold a new instance's first slot
         self._changed: dict[str, asyncio.Event] = {}
         self._service_s: dict[str, float] = {}  # EWMA of request service time per function
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -170,8 +171,18 @@ class Router:
         asked = time.time() if since is None else since
         self._waiting[name] = self._waiting.get(name, 0) + 1
         missed = True  # the slot lookup above just missed: the first turn goes on to scale up
+        claim: Claim | None = None  # the first slot of the instance this request started
         try:
             while True:
+                if claim is not None:
+                    if not claim.done():  # woken for another start's news: wait on
+                        await self._wait_changed(name, deadline)
+                        continue
+                    claimed, claim = claim.result(), None
+                    self._unclaimed(name)
+                    if claimed is not None:  # counted in Redis with the instance
+                        to, waited = claimed.target, time.monotonic() - t0
+                        return Route(to.instance_id, to.url, True, waited, to.token, claimed.early)
                 leased = self.leases.take(name)  # a request on this gateway just finished
                 if leased is not None:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
@@ -188,15 +199,36 @@ class Router:
                 failed = self.starter.failure(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
-                await self._scale_up(name, record, deadline)
-                left = deadline - time.time()
-                if left <= 0:
-                    raise Rejected(f"no instance of {name!r} could take the request before its deadline", 1.0)
-                event = self._changed.setdefault(name, asyncio.Event())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), min(self.config.poll_s, left))
+                claim = await self._scale_up(name, record, deadline)
+                await self._wait_changed(name, deadline)
         finally:
             self._waiting[name] -= 1
+            if claim is not None:  # cancelled or rejected with a slot counted: freed, once known
+                self._unclaimed(name)
+                self._spawn(self._free_claimed(name, claim, record.scaling.keep_alive_s))
+
+    async def _wait_changed(self, name: str, deadline: float) -> None:
+        """Wait until something changes for ``name``'s waiting requests (or ``poll_s``);
+        :class:`Rejected` when ``deadline`` passed."""
+        left = deadline - time.time()
+        if left <= 0:
+            raise Rejected(f"no instance of {name!r} could take the request before its deadline", 1.0)
+        event = self._changed.setdefault(name, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), min(self.config.poll_s, left))
+
+    def _unclaimed(self, name: str) -> None:
+        """A claim of ``name`` no longer waits for its request (it got it, or gave it up): the
+        request counts among the waiting ones again when the next scale-up is decided."""
+        self._claims[name] -= 1
+
+    async def _free_claimed(self, name: str, claim: Claim, keep_alive_s: float) -> None:
+        """Free the slot a request that gave up held on a new instance of ``name``, once its
+        start is known to have succeeded (a failed start's record took the slot along)."""
+        claimed = await claim
+        if claimed is not None:
+            await self.release(Route(claimed.target.instance_id, claimed.target.url, True, 0.0), keep_alive_s)
+            self._notify(name)
 
     async def _claim_early(self, name: str, concurrency: int) -> Route | None:
         """A slot of an instance this gateway is activating, or None (see the module docstring)."""
@@ -264,13 +296,16 @@ class Router:
             await self.release(lost, keep_alive_s)
         return False
 
-    async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> None:
+    async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> Claim | None:
+        """Start an instance of ``name`` if its load wants one more. A start from zero (no
+        instance live: none could free a slot sooner) counts the calling request's slot with
+        the new record and returns where that request will go (see :meth:`ColdStarter.start`)."""
         scaling = record.scaling
         instances = await on_loop(lambda retry: self.state.instances(name, retry))
         live = [i for i in instances if i.state in ("starting", "ready")]
         in_flight = sum(i.in_flight for i in live)
-        want = desired_instances(
-            in_flight + self._waiting.get(name, 0),
+        want = desired_instances(  # (a claimed slot is in flight already: its request not waiting)
+            in_flight + self._waiting.get(name, 0) - self._claims.get(name, 0),
             scaling.concurrency,
             scaling.min_scale,
             scaling.max_scale,
@@ -285,18 +320,17 @@ class Router:
                 wait = turns * self._service_s.get(name, 0.0)
                 if should_reject(wait, left):
                     raise Rejected(f"{name!r} is at maxScale and busy; expected wait {wait:.1f} s", wait)
-            return
+            return None
         if self.starter.room_pause_s(name) > 0:
-            return  # its pool refused it for room again and again: wait (see ColdStarter)
+            return None  # its pool refused it for room again and again: wait (see ColdStarter)
         if self.config.instances_per_device:
             async with self._placing:  # placement and the new record together, or two fill one slot
-                await self._place_and_start(name, record, deadline, want, left)
-            return
-        await self._place_and_start(name, record, deadline, want, left)
+                return await self._place_and_start(name, record, deadline, want, left, not live)
+        return await self._place_and_start(name, record, deadline, want, left, not live)
 
     async def _place_and_start(
-        self, name: str, record: FunctionRecord, deadline: float, want: int, left: float
-    ) -> None:
+        self, name: str, record: FunctionRecord, deadline: float, want: int, left: float, claim: bool
+    ) -> Claim | None:
         device, expected = await self.starter.place(record)
         if device is None:
             # Before stopping anything: no instance of any function frees room for it.
@@ -304,14 +338,21 @@ class Router:
                 raise Rejected(f"no device can hold {name!r}'s model (it is larger than every pool)", 5.0)
             device, expected = await self._reclaim(name, record)
         if device is None:
-            return  # other functions' instances are busy: wait for one to go idle (or the deadline)
+            return None  # other functions' instances are busy: wait for one to go idle (or the deadline)
         if should_reject(expected + self.config.handover_s, left):
             raise Rejected(
                 f"{name!r} cannot start before the request's deadline (expected {expected:.1f} s)", expected
             )
-        instance_id = await on_loop(lambda retry: self.state.scale_up(name, want, device, retry=retry))
-        if instance_id is not None:
-            self._spawn(self.starter.start(instance_id, name, record, device, deadline))
+        instance_id = await on_loop(
+            lambda retry: self.state.scale_up(name, want, device, retry=retry, claim=claim)
+        )
+        if instance_id is None:
+            return None
+        claimed: Claim | None = asyncio.get_running_loop().create_future() if claim else None
+        if claimed is not None:
+            self._claims[name] = self._claims.get(name, 0) + 1
+        self._spawn(self.starter.start(instance_id, name, record, device, deadline, claimed))
+        return claimed
 
     async def _reclaim(self, name: str, record: FunctionRecord) -> tuple[str | None, float]:
         """Make room for ``name``'s model on this router's devices by stopping idle instances

@@ -242,12 +242,15 @@ class ClusterState:
         now: float | None = None,
         ttl_s: float | None = None,
         retry: bool = True,
+        claim: bool = False,
     ) -> str | None:
         """Start one instance if fewer than ``desired`` are live; its id, or None. With
-        ``ttl_s`` the record expires unless :meth:`refresh_instance` renews it."""
+        ``ttl_s`` the record expires unless :meth:`refresh_instance` renews it; with ``claim``
+        its first slot is taken at once (in flight 1, as :meth:`claim_starting` would count it)."""
         keys = [f"{self.p}fn:{function}:instances", f"{self.p}instance_seq"]
         when = now if now is not None else time.time()
-        args: list[Any] = [desired, function, device, when, self.p, 0 if ttl_s is None else _ttl_ms(ttl_s)]
+        ttl_ms = 0 if ttl_s is None else _ttl_ms(ttl_s)
+        args: list[Any] = [desired, function, device, when, self.p, ttl_ms, 1 if claim else 0]
         result = self._once_or_retry(lambda: self._scale_up(keys=keys, args=args), retry)
         return str(result) if result else None
 

@@ -69,7 +69,8 @@ return {0, 0}
 
 # Start an instance if fewer than ARGV[1] are live. KEYS: fn set, seq counter.
 # ARGV: desired, function, device, now, prefix, record TTL in ms (0: none; set in the same
-# script, so no crash between the two leaves a record that never expires). The new id or false.
+# script, so no crash between the two leaves a record that never expires), its in-flight count
+# (1: the caller's request took its first slot). The new id or false.
 SCALE_UP = """
 local live = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -79,7 +80,7 @@ end
 if live >= tonumber(ARGV[1]) then return false end
 local id = tostring(redis.call('INCR', KEYS[2]))
 redis.call('HSET', ARGV[5] .. 'instance:' .. id, 'v', '1', 'function', ARGV[2], 'state', 'starting',
-  'device', ARGV[3], 'url', '', 'in_flight', '0', 'deadline', '0', 'created', ARGV[4])
+  'device', ARGV[3], 'url', '', 'in_flight', ARGV[7], 'deadline', '0', 'created', ARGV[4])
 if tonumber(ARGV[6]) > 0 then redis.call('PEXPIRE', ARGV[5] .. 'instance:' .. id, ARGV[6]) end
 redis.call('SADD', KEYS[1], id)
 return id

@@ -100,9 +100,11 @@ class CountingSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.writes = 0
+        self.bytes = 0
 
     def sendall(self, data: bytes) -> None:
         self.writes += 1
+        self.bytes += len(data)
         self.sock.sendall(data)
 
     def __getattr__(self, name: str) -> object:

@@ -53,7 +53,15 @@ from gpu_pool.arena.base import BaseArena, CopyJob
 from gpu_pool.arena.direct_read import DIRECT_ALIGN
 from gpu_pool.arena.kv_memory import SessionKV
 from gpu_pool.config import PoolConfig
-from gpu_pool.errors import ConfigError, InvalidArgument, LoadError, MessageTooLarge, OutOfMemory, PoolError
+from gpu_pool.errors import (
+    ConfigError,
+    InvalidArgument,
+    LoadError,
+    MessageTooLarge,
+    OutOfMemory,
+    PoolError,
+    SessionError,
+)
 from gpu_pool.manifest import Manifest
 from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, align_up
 from gpu_pool.server import progressive
@@ -432,6 +440,19 @@ class PoolDaemon:
             reply["kv_error"] = {"type": exc.code, "message": str(exc)}
             return reply, []
         return reply, fds
+
+    async def _on_reacquire(self, session: Session, request: messages.Reacquire) -> Reply:
+        await self._finish_progressive(session.session_id, cancel=False)
+        async with self._lock:
+            repinned = self.store.reacquire(session.session_id)
+            manifest = self.store.last_manifest(session.session_id)
+        if repinned is not None:
+            return {"unchanged": True, "report": repinned.to_wire()}, []
+        if manifest is None:
+            raise SessionError("reacquire: this session has acquired nothing")
+        # Evicted, moved or reloaded since (or acquired since the release): the usual way.
+        result = await self._acquire(session.session_id, await self._trusted(manifest))
+        return {"placements": result.placements, "report": result.to_wire()}, []
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:
         await self._finish_progressive(session.session_id, cancel=True)

@@ -36,6 +36,7 @@ from gpu_pool.planner.importance import BaseImportance, ImportancePolicy, new_im
 from gpu_pool.planner.layout import RegionColumns
 from gpu_pool.planner.regions import DEFAULT_ALIGNMENT, Region, RegionKind, align_up, build_region_list
 from gpu_pool.server.prefix_kv import PrefixIndex, owner
+from gpu_pool.server.repin import Released
 from gpu_pool.store.fingerprint import fingerprint
 
 
@@ -102,6 +103,8 @@ class SessionState:
     pins: Counter[str] = field(default_factory=Counter)
     private: set[str] = field(default_factory=set)
     kv: set[int] = field(default_factory=set)
+    last: tuple[Manifest, dict[str, str]] | None = None  # its last acquire: manifest, store keys
+    released: Released | None = None  # what its last release unpinned (None: acquired since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,13 +248,10 @@ class ReuseStore:
         (runtime.assignment) is none of that, and fails with :class:`NotResident` instead of
         loading anything."""
         session = self._session(session_id)
+        session.released = None
         now = self.clock()
         if access:
-            self.rates.observe(manifest.model_id, now)
-            if self.importance is not None:  # a miss costs its bytes over the load bandwidth
-                known = self.models.get(manifest.model_id)
-                bandwidth = (known.bandwidth if known else None) or self._pool_bandwidth()
-                self.importance.access(manifest.model_id, now, manifest.nbytes, manifest.nbytes / bandwidth)
+            self._observe(manifest, now)
         keys = {e.name: self._key(e, session_id) for e in manifest.tensors}
         self._register_model(manifest, keys)
 
@@ -356,6 +356,9 @@ class ReuseStore:
             self.counters.update(bytes_reused=bytes_reused, reuse_hits=len(pending.resident), acquires=1)
         self.load_seconds += load_seconds
         keys = pending.keys
+        session = self.sessions.get(pending.session_id)
+        if session is not None:
+            session.last = (pending.manifest, keys)
         return AcquireResult(
             placements={e.name: self.tensors[keys[e.name]].offset for e in pending.manifest.tensors},
             bytes_loaded=bytes_loaded,
@@ -372,6 +375,8 @@ class ReuseStore:
         ``keep_kv``) its KV blocks."""
         session = self._session(session_id)
         now = self.clock()
+        if session.pins and session.last is not None:
+            session.released = Released.of(*session.last, self.tensors)
         for key in session.pins:
             rec = self.tensors.get(key)
             if rec is not None:
@@ -386,6 +391,26 @@ class ReuseStore:
         for block_id in session.kv:
             del self.kv_blocks[block_id]
         session.kv.clear()
+
+    def reacquire(self, session_id: str) -> AcquireResult | None:
+        """Pin again what the session's last release unpinned (:mod:`gpu_pool.server.repin`), as
+        a request for its model; the placements are those of its last acquire, unchanged (the
+        result has none). None when it released nothing, acquired since, or any of those
+        tensors was evicted, moved or reloaded since: acquire :meth:`last_manifest` then."""
+        session = self._session(session_id)
+        released, session.released = session.released, None
+        if released is None or not released.unchanged(self.tensors):
+            return None
+        now = self.clock()
+        self._observe(released.manifest, now)
+        self._pin_all(session, released.keys, now)
+        self.counters.update(bytes_reused=released.bytes_reused, reuse_hits=len(released.records), acquires=1)
+        return AcquireResult(0, released.bytes_reused, 0, 0, 0.0, 0.0, 0.0, placements={})
+
+    def last_manifest(self, session_id: str) -> Manifest | None:
+        """The manifest of the session's last acquire (None: it acquired nothing)."""
+        last = self._session(session_id).last
+        return None if last is None else last[0]
 
     def evict(self, model_id: str | None = None) -> int:
         """Evict inactive tensors (of one model, or all); returns bytes freed. Admin operation."""
@@ -522,6 +547,14 @@ class ReuseStore:
             nbytes,
             old.bandwidth if old else None,
         )
+
+    def _observe(self, manifest: Manifest, now: float) -> None:
+        """A request for ``manifest``'s model: its rate (p_m) and, under mCache, its importance."""
+        self.rates.observe(manifest.model_id, now)
+        if self.importance is not None:  # a miss costs its bytes over the load bandwidth
+            known = self.models.get(manifest.model_id)
+            bandwidth = (known.bandwidth if known else None) or self._pool_bandwidth()
+            self.importance.access(manifest.model_id, now, manifest.nbytes, manifest.nbytes / bandwidth)
 
     def _pin(self, session: SessionState, key: str, now: float) -> None:
         rec = self.tensors[key]

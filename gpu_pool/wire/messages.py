@@ -324,6 +324,16 @@ class Release(Request):
 
 
 @dataclass(frozen=True, slots=True)
+class Reacquire(_NoFields):
+    """Acquire again the manifest of the session's last acquire, after its release, without
+    sending it (a standby's activation, ``gpu_pool.server.repin``): the reply says
+    ``unchanged`` when every tensor is still where that acquire placed it, else it carries the
+    ``placements``, as an acquire's does."""
+
+    op: ClassVar[str] = "reacquire"
+
+
+@dataclass(frozen=True, slots=True)
 class Stats(_NoFields):
     """The pool's occupancy and counters."""
 
@@ -339,7 +349,20 @@ class KVMap(_NoFields):
 
 MESSAGES: dict[str, type[Request]] = {
     cls.op: cls
-    for cls in (Hello, Acquire, Release, KVAlloc, KVFree, Stats, Evict, Grant, KVMap, KVPublish, KVRestore)
+    for cls in (
+        Hello,
+        Acquire,
+        Reacquire,
+        Release,
+        KVAlloc,
+        KVFree,
+        Stats,
+        Evict,
+        Grant,
+        KVMap,
+        KVPublish,
+        KVRestore,
+    )
 }
 
 

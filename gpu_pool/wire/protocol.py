@@ -29,8 +29,9 @@ PROTOCOL_VERSION = 1
 # What this daemon does beyond version 1's first form, told in ``hello`` (a daemon that does not
 # say "keep_kv" ignores ``release``'s ``keep_kv`` and frees the blocks: a client must not count
 # on keeping them; "prefix_prefetch": ``kv_alloc``'s ``prefix`` and ``kv_restore``'s ``first``,
-# which an older daemon ignores, an offer either way).
-FEATURES = ("keep_kv", "prefix_prefetch")
+# which an older daemon ignores, an offer either way; "reacquire": the ``reacquire`` op, which
+# an older daemon refuses as an unknown op).
+FEATURES = ("keep_kv", "prefix_prefetch", "reacquire")
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 300-tensor manifest is ~60 KB; 16 MiB is generous
 OPS = frozenset(MESSAGES)
 _HEADER = struct.Struct(">I")

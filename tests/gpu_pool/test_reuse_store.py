@@ -80,6 +80,10 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         self.pinned_offsets: dict[str, int] = {}  # fingerprint -> offset while pinned
         self.kv: dict[str, set[int]] = {sid: set() for sid in self.sids}
         self.kv_offsets: dict[int, int] = {}
+        # Per session: its last acquire's placements (by store key) and whether nothing could
+        # have evicted or moved them since its release (None: it has not released since).
+        self.last: dict[str, dict[str, int]] = {}
+        self.undisturbed: dict[str, bool | None] = {sid: None for sid in self.sids}
 
     def teardown(self) -> None:
         if hasattr(self, "arena"):
@@ -98,11 +102,14 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         sizes = [align_up(n) for n in missing.values()]
         fits_free = free_regions_best_fit(self.store, sizes)
         regions = self.store.regions()
+        self._disturb()
         try:
             result = self.store.acquire(self.sids[session], manifest)
         except OutOfMemory as exc:
             assert exc.needed_bytes == sum(sizes)
             return
+        self.undisturbed[self.sids[session]] = None
+        self.last[self.sids[session]] = {e.fingerprint: result.placements[e.name] for e in manifest.tensors}
         if fits_free:
             assert result.bytes_moved == 0
         evicted = [r.key for r in regions if r.kind is RegionKind.TENSOR and r.key not in self.store.tensors]
@@ -116,9 +123,40 @@ class ReuseStoreMachine(RuleBasedStateMachine):
     @rule(session=st.integers(0, NUM_SESSIONS - 1))
     def release(self, session: int) -> None:
         self.clock_now += 1.0
-        self.store.release(self.sids[session])
+        sid = self.sids[session]
+        if sid in self.last and any(sid in t.pins for t in self.store.tensors.values()):
+            self.undisturbed[sid] = True
+        self.store.release(sid)
         self.kv[self.sids[session]].clear()
         self._snapshot_pins()
+
+    @rule(session=st.integers(0, NUM_SESSIONS - 1))
+    def reacquire(self, session: int) -> None:
+        """A standby's activation: what its release unpinned is pinned again, at the places
+        its views point at, whenever nothing could have moved it; never anywhere else."""
+        self.clock_now += 1.0
+        sid = self.sids[session]
+        undisturbed = self.undisturbed[sid]
+        result = self.store.reacquire(sid)
+        self.undisturbed[sid] = None
+        if undisturbed:
+            assert result is not None, "nothing moved the released tensors: they are pinned again"
+        if result is None:
+            return
+        assert undisturbed is not None, "reacquired without a release since the last acquire"
+        assert result.bytes_loaded == 0
+        manifest = self.store.last_manifest(sid)
+        assert manifest is not None
+        assert result.bytes_reused == sum({e.fingerprint: e.nbytes for e in manifest.tensors}.values())
+        for key, offset in self.last[sid].items():
+            assert self.store.tensors[key].offset == offset and sid in self.store.tensors[key].pins
+        self._snapshot_pins()
+
+    def _disturb(self) -> None:
+        """Something that may evict or move inactive tensors happens."""
+        for sid, flag in self.undisturbed.items():
+            if flag:
+                self.undisturbed[sid] = False
 
     @rule(
         session=st.integers(0, NUM_SESSIONS - 1),
@@ -127,6 +165,7 @@ class ReuseStoreMachine(RuleBasedStateMachine):
     )
     def kv_alloc(self, session: int, num_blocks: int, block_bytes: int) -> None:
         sid = self.sids[session]
+        self._disturb()
         try:
             alloc = self.store.kv_alloc(sid, num_blocks, block_bytes)
         except OutOfMemory:

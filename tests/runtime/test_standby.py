@@ -265,6 +265,51 @@ def test_an_activation_brings_its_first_kv_blocks_with_its_weights(tmp_path: Pat
         pool.stop()
 
 
+def test_an_activation_pins_its_unmoved_weights_without_sending_the_manifest(tmp_path: Path) -> None:
+    """A standby holding its first KV blocks activates with the session's ``reacquire``: one
+    short message instead of the manifest, and its views stay (the weights did not move)."""
+    tiny = register_tiny(tmp_path)
+    pool = PoolProcess(tmp_path / "pool.sock", "8MiB", store=(tiny.directory.parent,))
+    document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
+
+    async def scenario() -> None:
+        template = load_template(tiny.directory)
+        client = PoolClient(pool.socket_path)
+        placements = client.acquire_placements(template.manifest)
+        binding = bind_at(template, client, placements, 64)
+        binding.engine.adopt_kv(
+            binding.engine.blocks.source.adopt(
+                client.kv_alloc(
+                    binding.engine.kv_prefetch(), binding.engine.blocks.source.block_bytes, aligned=True
+                )
+            )
+        )
+        client.release(keep_kv=True)  # as prepare() leaves it
+        prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
+        standby = Standby(prepared, binding, client, placements, None)
+        counted = CountingSocket(client._sock)
+        client._sock = counted
+        message = AssignMessage(
+            "1", document, str(tiny.directory), pool.socket_path, None, time.time() + 60, None, 1 << 20
+        )
+        assignment, reply = await activate(standby, message)
+        try:
+            assert counted.writes == 1 and counted.bytes < 100 < len(template.manifest.encoded())
+            assert assignment.binding is binding and "build_ms" not in reply.timings_ms
+            assert reply.acquire.bytes_loaded == 0 and reply.acquire.bytes_reused == template.manifest.nbytes
+            with PoolClient(pool.socket_path) as observer:
+                assert observer.stats()["pinned_bytes"] > 0
+        finally:
+            assignment.driver.cancel()
+            binding.engine.close()
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.stop()
+
+
 ECHO = """async def handler(event, context):
     return event
 """
@@ -320,8 +365,11 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
             standby, _ = await prepare(WorkerState(), prepared)
             assert len(standby.binding.engine.blocks.cached) == 2  # before the activation
             assert standby.client.watched  # its pool's death ends it; the activation starts no thread
-            if prepared_by == "moved":  # as if evicted and loaded elsewhere meanwhile
+            if prepared_by == "moved":  # as if moved meanwhile (a move keeps the prefix KV;
+                # an eviction would drop it): the views point elsewhere than the pool's places,
+                # which a full acquire (an older daemon's: no reacquire) tells the activation.
                 standby.placements = {name: offset + 1 for name, offset in standby.placements.items()}
+                standby.client.features -= {"reacquire"}
         else:
             client = PoolClient(pool.socket_path, ticket=tickets[1])
             placements = client.acquire_placements(template.manifest, access=False)
@@ -340,6 +388,7 @@ def test_a_start_brings_the_prefix_its_functions_last_start_restored(
         activation_writes = 3 if prepared_by == "moved" else 1
         try:
             assert client.watched
+            assert (assignment.binding is not standby.binding) == (prepared_by == "moved")
             assert counted.writes == activation_writes and len(engine.blocks.cached) == 2
             tokens, cached = generate(engine, prompt)
             assert counted.writes == activation_writes, "the first request asked the pool for its prefix"

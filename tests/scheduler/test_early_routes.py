@@ -198,6 +198,65 @@ def test_a_ready_slot_goes_before_an_instance_being_activated(state: ClusterStat
     asyncio.run(scenario())
 
 
+def script_calls(state: ClusterState) -> int:
+    """How many Lua scripts the server ran so far (every slot lookup and claim is one)."""
+    stats = state.r.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def test_the_request_that_starts_an_instance_from_zero_holds_its_first_slot(state: ClusterState) -> None:
+    """Scaled from zero, no instance could free a slot sooner: the new record counts the
+    request's slot, and once the process is named the request goes there with no Redis round
+    trip on its path. A request that gives up meanwhile frees that slot once the start is known."""
+    deploy(state, "f", 1 << 20, concurrency=2)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state, name_later=True)
+        # (No polling turn meanwhile: only the process being named wakes the request.)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0, poll_s=30.0))
+        try:
+            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            while not launcher.launches_started:
+                await asyncio.sleep(0.01)
+            (inst,) = state.instances("f")
+            assert inst.state == "starting" and inst.in_flight == 1  # counted with the record
+            before = script_calls(state)
+            launcher.name.set()
+            routed = await asyncio.wait_for(waiting, 10)
+            assert routed.early and routed.cold and routed.instance_id == inst.instance_id
+            assert script_calls(state) == before
+            assert state.instances("f")[0].in_flight == 1  # one slot: the request's
+            launcher.finish.set()
+            while state.instances("f")[0].state != "ready":
+                await asyncio.sleep(0.01)
+            await router.done("f", routed, 30.0, 0.01, reusable=False)
+            assert state.instances("f")[0].in_flight == 0
+        finally:
+            await router.close()
+
+    async def gave_up() -> None:
+        state.forget_instance("f", state.instances("f")[0].instance_id)
+        launcher = ActivatingLauncher(state, name_later=True)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0, poll_s=30.0))
+        try:
+            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            while not launcher.launches_started:
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # its client hung up before the instance took it
+            await asyncio.sleep(0.05)
+            assert state.instances("f")[0].in_flight == 1  # not known yet to outlive the start
+            launcher.name.set()
+            launcher.finish.set()
+            while (inst := state.instances("f")[0]).state != "ready" or inst.in_flight:
+                await asyncio.sleep(0.01)
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+    asyncio.run(gave_up())
+
+
 def test_a_failed_early_route_withdraws_only_the_process_it_went_to(state: ClusterState) -> None:
     deploy(state, "f", 1 << 20)
     record: FunctionRecord = state.function("f")
