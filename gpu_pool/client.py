@@ -297,12 +297,13 @@ class PoolClient:
         """Whether the daemon has :meth:`reacquire_async` (an older one lacks it)."""
         return "reacquire" in self.features
 
-    async def reacquire_async(self) -> dict[str, int] | None:
-        """Acquire the manifest of this session's last acquire again, after its release (a
-        standby's activation), without sending it or getting every placement back: None when
-        every tensor is still where that acquire placed it (views made then point at them,
-        now pinned), else the new placements (:mod:`gpu_pool.server.repin`)."""
-        reply, fds = await self._request_async("reacquire")
+    async def reacquire_async(self, manifest: Manifest) -> dict[str, int] | None:
+        """Acquire ``manifest`` again, the manifest of this session's last acquire, after its
+        release (a standby's activation), without sending it or getting every placement back:
+        None when every tensor is still where that acquire placed it (views made then point at
+        them, now pinned), else the new placements (:mod:`gpu_pool.server.repin`). The daemon
+        refuses it (``SessionError``) when the session's last acquire was of another model."""
+        reply, fds = await self._request_async("reacquire", model_id=manifest.model_id)
         for fd in fds:  # (none is sent; a daemon's bug leaks nothing here)
             os.close(fd)
         self.last_acquire = AcquireReport.from_wire(reply.get("report"))

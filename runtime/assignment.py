@@ -314,7 +314,7 @@ async def _acquire(
     num_blocks = binding.engine.kv_prefetch() if prefetch_kv else 0
     if num_blocks == 0 or not isinstance(source, PoolBlockSource):
         if client.can_reacquire:  # what the standby released, without the manifest (~1 ms less)
-            placements = await client.reacquire_async()
+            placements = await client.reacquire_async(binding.template.manifest)
             return (standby_placements if placements is None else placements), None
         return await client.acquire_async(binding.template.manifest)  # type: ignore[no-any-return]
     return await client.acquire_async(  # type: ignore[no-any-return]

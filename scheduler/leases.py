@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the router imports this module
 
 # (route, keep-alive s): free the slot in Redis and restart the instance's keep-alive clock
 Release = Callable[["Route", float], Coroutine[Any, Any, None]]
-Spawn = Callable[[Coroutine[Any, Any, None]], None]  # run a coroutine as a tracked background task
+Spawn = Callable[[Coroutine[Any, Any, None]], object]  # run a coroutine as a tracked background task
 
 
 @dataclass(eq=False, slots=True)

@@ -117,6 +117,13 @@ class Route(NamedTuple):
     early: bool = False
 
 
+def _unresolved(claim: Claim, _task: asyncio.Task[Any]) -> None:
+    """Resolve ``claim`` to None if its start's task ended without (cancelled before it ran,
+    as when the router closes: its ``finally`` never ran)."""
+    if not claim.done():
+        claim.set_result(None)
+
+
 class Router:
     """See the module docstring."""
 
@@ -140,6 +147,7 @@ class Router:
         )
         self._waiting: dict[str, int] = {}
         self._claims: dict[str, int] = {}  # waiting requests that hold a new instance's first slot
+        self._abandoned: dict[str, list[Claim]] = {}  # such slots whose request gave up, not yet freed
         self._changed: dict[str, asyncio.Event] = {}
         self._service_s: dict[str, float] = {}  # EWMA of request service time per function
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -199,12 +207,13 @@ class Router:
                 failed = self.starter.failure(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
-                claim = await self._scale_up(name, record, deadline)
+                claim = self._adopt(name) or await self._scale_up(name, record, deadline)
                 await self._wait_changed(name, deadline)
         finally:
             self._waiting[name] -= 1
-            if claim is not None:  # cancelled or rejected with a slot counted: freed, once known
+            if claim is not None:  # cancelled or rejected with a slot counted: another may take it
                 self._unclaimed(name)
+                self._abandoned.setdefault(name, []).append(claim)
                 self._spawn(self._free_claimed(name, claim, record.scaling.keep_alive_s))
 
     async def _wait_changed(self, name: str, deadline: float) -> None:
@@ -224,10 +233,26 @@ class Router:
         request counts among the waiting ones again when the next scale-up is decided."""
         self._claims[name] -= 1
 
+    def _adopt(self, name: str) -> Claim | None:
+        """A first slot of a new instance of ``name`` whose request gave up, for a request of it
+        that waits now: counted in Redis, it would otherwise start one more instance."""
+        abandoned = self._abandoned.get(name)
+        while abandoned:
+            claim = abandoned.pop()
+            if not claim.done() or claim.result() is not None:  # (None: the slot went with its start)
+                self._claims[name] = self._claims.get(name, 0) + 1
+                return claim
+        return None
+
     async def _free_claimed(self, name: str, claim: Claim, keep_alive_s: float) -> None:
-        """Free the slot a request that gave up held on a new instance of ``name``, once its
-        start is known to have succeeded (a failed start's record took the slot along)."""
+        """Free the slot a request that gave up held on a new instance of ``name``, unless
+        another request took it (:meth:`_adopt`), once the process it goes to is named or the
+        instance is ready (a failed start's record took the slot along)."""
         claimed = await claim
+        abandoned = self._abandoned.get(name, [])
+        if claim not in abandoned:
+            return
+        abandoned.remove(claim)
         if claimed is not None:
             await self.release(Route(claimed.target.instance_id, claimed.target.url, True, 0.0), keep_alive_s)
             self._notify(name)
@@ -351,9 +376,10 @@ class Router:
         if instance_id is None:
             return None
         claimed: Claim | None = asyncio.get_running_loop().create_future() if claim else None
+        task = self._spawn(self.starter.start(instance_id, name, record, device, deadline, claimed))
         if claimed is not None:
             self._claims[name] = self._claims.get(name, 0) + 1
-        self._spawn(self.starter.start(instance_id, name, record, device, deadline, claimed))
+            task.add_done_callback(functools.partial(_unresolved, claimed))
         return claimed
 
     async def _reclaim(self, name: str, record: FunctionRecord) -> tuple[str | None, float]:
@@ -516,10 +542,11 @@ class Router:
         if event is not None:
             event.set()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

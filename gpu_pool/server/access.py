@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from gpu_pool.arena.kv_memory import SessionKV
 from gpu_pool.errors import Forbidden, KVQuotaExceeded
+from gpu_pool.manifest import Manifest
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class Session:
     kv: SessionKV | None = None  # CPU pools: the session's private KV pages
     kv_sent: bool = False  # whether the client has received kv's descriptor
     prefix_scope: str = ""  # whose published prefix KV it shares (gpu_pool.server.prefix_kv)
+    acquired: Manifest | None = None  # its last acquire's manifest, as parsed (for reacquire)
 
 
 class AccessControl:

@@ -429,8 +429,11 @@ class PoolDaemon:
             parsed = Manifest.from_dict(request.manifest)
         trusted = await self._trusted(parsed)
         if request.progressive:
-            return await self._acquire_progressive(session, trusted, request)
+            progressive = await self._acquire_progressive(session, trusted, request)
+            session.acquired = parsed
+            return progressive
         result = await self._acquire(session.session_id, trusted, request.access)
+        session.acquired = parsed
         reply: dict[str, Any] = {"placements": result.placements, "report": result.to_wire()}
         if request.kv is None:
             return reply, []
@@ -442,16 +445,19 @@ class PoolDaemon:
         return reply, fds
 
     async def _on_reacquire(self, session: Session, request: messages.Reacquire) -> Reply:
+        parsed = session.acquired
+        if parsed is None or parsed.model_id != request.model_id:
+            raise SessionError(f"reacquire: this session's last acquire was not of {request.model_id!r}")
+        # Checked again like any acquire (a few stat calls): a model removed from the store or
+        # replaced there is refused, resident or not.
+        trusted = await self._trusted(parsed)
         await self._finish_progressive(session.session_id, cancel=False)
         async with self._lock:
-            repinned = self.store.reacquire(session.session_id)
-            manifest = self.store.last_manifest(session.session_id)
+            repinned = self.store.reacquire(session.session_id, trusted)
         if repinned is not None:
             return {"unchanged": True, "report": repinned.to_wire()}, []
-        if manifest is None:
-            raise SessionError("reacquire: this session has acquired nothing")
-        # Evicted, moved or reloaded since (or acquired since the release): the usual way.
-        result = await self._acquire(session.session_id, await self._trusted(manifest))
+        # Evicted, moved or reloaded since, or acquired since the release: the usual way.
+        result = await self._acquire(session.session_id, trusted)
         return {"placements": result.placements, "report": result.to_wire()}, []
 
     async def _on_release(self, session: Session, request: messages.Release) -> Reply:

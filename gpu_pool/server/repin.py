@@ -8,7 +8,8 @@ SmolLM2) and gets every placement back: 1.3-1.8 ms of the daemon's and the worke
 a 2-core host, on the cold path. The store keeps a :class:`Released` of each session's last
 release instead, and ``ReuseStore.reacquire`` pins it again when every tensor is still the
 same record at the same offset (none evicted, moved or reloaded since); otherwise the caller
-acquires :attr:`Released.manifest` the usual way.
+acquires the manifest the usual way. The daemon checks the manifest against the model store
+first, as it checks every acquire's (``PoolDaemon._on_reacquire``).
 """
 
 from __future__ import annotations

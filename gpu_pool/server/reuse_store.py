@@ -392,25 +392,21 @@ class ReuseStore:
             del self.kv_blocks[block_id]
         session.kv.clear()
 
-    def reacquire(self, session_id: str) -> AcquireResult | None:
+    def reacquire(self, session_id: str, manifest: Manifest) -> AcquireResult | None:
         """Pin again what the session's last release unpinned (:mod:`gpu_pool.server.repin`), as
         a request for its model; the placements are those of its last acquire, unchanged (the
-        result has none). None when it released nothing, acquired since, or any of those
-        tensors was evicted, moved or reloaded since: acquire :meth:`last_manifest` then."""
+        result has none). None when that acquire was not of this very ``manifest`` (trusted
+        anew), it released nothing, acquired since, or any of those tensors was evicted, moved
+        or reloaded since: acquire ``manifest`` then."""
         session = self._session(session_id)
         released, session.released = session.released, None
-        if released is None or not released.unchanged(self.tensors):
+        if released is None or released.manifest is not manifest or not released.unchanged(self.tensors):
             return None
         now = self.clock()
         self._observe(released.manifest, now)
         self._pin_all(session, released.keys, now)
         self.counters.update(bytes_reused=released.bytes_reused, reuse_hits=len(released.records), acquires=1)
         return AcquireResult(0, released.bytes_reused, 0, 0, 0.0, 0.0, 0.0, placements={})
-
-    def last_manifest(self, session_id: str) -> Manifest | None:
-        """The manifest of the session's last acquire (None: it acquired nothing)."""
-        last = self._session(session_id).last
-        return None if last is None else last[0]
 
     def evict(self, model_id: str | None = None) -> int:
         """Evict inactive tensors (of one model, or all); returns bytes freed. Admin operation."""

@@ -324,13 +324,21 @@ class Release(Request):
 
 
 @dataclass(frozen=True, slots=True)
-class Reacquire(_NoFields):
-    """Acquire again the manifest of the session's last acquire, after its release, without
-    sending it (a standby's activation, ``gpu_pool.server.repin``): the reply says
-    ``unchanged`` when every tensor is still where that acquire placed it, else it carries the
-    ``placements``, as an acquire's does."""
+class Reacquire(Request):
+    """Acquire again the manifest of the session's last acquire, which was of ``model_id``,
+    after its release, without sending it (a standby's activation, ``gpu_pool.server.repin``):
+    the reply says ``unchanged`` when every tensor is still where that acquire placed it, else
+    it carries the ``placements``, as an acquire's does."""
 
     op: ClassVar[str] = "reacquire"
+    model_id: str
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Reacquire:
+        model_id = _opt_str(msg, cls.op, "model_id", MAX_MODEL_ID_CHARS)
+        if model_id is None:
+            raise ProtocolError("reacquire needs 'model_id': the model of the session's last acquire")
+        return cls(model_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         # Per session: its last acquire's placements (by store key) and whether nothing could
         # have evicted or moved them since its release (None: it has not released since).
         self.last: dict[str, dict[str, int]] = {}
+        self.last_manifest: dict[str, Manifest] = {}
         self.undisturbed: dict[str, bool | None] = {sid: None for sid in self.sids}
 
     def teardown(self) -> None:
@@ -110,6 +111,7 @@ class ReuseStoreMachine(RuleBasedStateMachine):
             return
         self.undisturbed[self.sids[session]] = None
         self.last[self.sids[session]] = {e.fingerprint: result.placements[e.name] for e in manifest.tensors}
+        self.last_manifest[self.sids[session]] = manifest
         if fits_free:
             assert result.bytes_moved == 0
         evicted = [r.key for r in regions if r.kind is RegionKind.TENSOR and r.key not in self.store.tensors]
@@ -137,7 +139,10 @@ class ReuseStoreMachine(RuleBasedStateMachine):
         self.clock_now += 1.0
         sid = self.sids[session]
         undisturbed = self.undisturbed[sid]
-        result = self.store.reacquire(sid)
+        manifest = self.last_manifest.get(sid)
+        if manifest is None:
+            return
+        result = self.store.reacquire(sid, manifest)
         self.undisturbed[sid] = None
         if undisturbed:
             assert result is not None, "nothing moved the released tensors: they are pinned again"
@@ -145,8 +150,6 @@ class ReuseStoreMachine(RuleBasedStateMachine):
             return
         assert undisturbed is not None, "reacquired without a release since the last acquire"
         assert result.bytes_loaded == 0
-        manifest = self.store.last_manifest(sid)
-        assert manifest is not None
         assert result.bytes_reused == sum({e.fingerprint: e.nbytes for e in manifest.tensors}.values())
         for key, offset in self.last[sid].items():
             assert self.store.tensors[key].offset == offset and sid in self.store.tensors[key].pins

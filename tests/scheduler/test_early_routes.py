@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.errors import StartFailed
+from scheduler.errors import Rejected, StartFailed
 from scheduler.launcher import MAX_EARLY, OnTarget
 from scheduler.records import FunctionRecord
 from scheduler.router import Router, RouterConfig
@@ -255,6 +255,68 @@ def test_the_request_that_starts_an_instance_from_zero_holds_its_first_slot(stat
 
     asyncio.run(scenario())
     asyncio.run(gave_up())
+
+
+def test_a_slot_given_up_while_its_instance_starts_goes_to_the_next_request(state: ClusterState) -> None:
+    """The request that started an instance from zero hangs up while it starts: its slot, still
+    counted in Redis, goes to the next request, which starts no second instance for it."""
+    deploy(state, "f", 1 << 20, concurrency=1, max_scale=2)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state, name_later=True)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0))
+        try:
+            first = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            while not launcher.launches_started:
+                await asyncio.sleep(0.01)
+            first.cancel()
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+            await asyncio.sleep(0.3)
+            assert launcher.launches_started == 1, "a second instance was started for one request"
+            launcher.name.set()
+            routed = await asyncio.wait_for(second, 10)
+            assert routed.early and state.instances("f")[0].in_flight == 1  # one slot: the second's
+            launcher.finish.set()
+            await router.done("f", routed, 30.0, 0.01, reusable=False)
+            while (inst := state.instances("f")[0]).state != "ready" or inst.in_flight:
+                await asyncio.sleep(0.01)
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_is_resolved_when_its_start_never_ran(state: ClusterState) -> None:
+    """A start's task cancelled before it ran (the router closing) resolves the claim of the
+    request that waits for it, which then goes on as if the start failed (here: to its
+    deadline) instead of holding a slot nobody frees."""
+    deploy(state, "f", 1 << 20, concurrency=1)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state, name_later=True)
+        router = Router(state, launcher, RouterConfig(lease_s=0.0, poll_s=0.05))
+        spawn = router._spawn
+
+        def cancelling_starts(coro: Any) -> asyncio.Task[Any]:
+            task = spawn(coro)
+            if coro.__qualname__ == "ColdStarter.start":
+                task.cancel()  # before its first step, as close() cancels a fresh one
+            return task
+
+        router._spawn = cancelling_starts  # type: ignore[method-assign]
+        try:
+            with pytest.raises(Rejected):
+                await router.route("f", record, time.time() + 0.5)
+            assert router._claims["f"] == 0 and launcher.launches_started == 0
+            await asyncio.sleep(0.05)
+            assert all(task.done() for task in router._tasks)  # no slot-freeing task waits forever
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_early_route_withdraws_only_the_process_it_went_to(state: ClusterState) -> None:
