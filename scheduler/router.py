@@ -29,7 +29,10 @@ activated in, a waiting request takes one of its slots while it is still ``start
 (:meth:`ClusterState.claim_starting`; counted in Redis, so it carries over to ``ready``) and is
 sent there at once: an *early* route, which the worker holds until the activation ends
 (:mod:`runtime.early_requests`). Recording the instance ready and waking the waiters are then
-off the request's path. A lost instance (a request's connection to it broke, or reconcile
+off the request's path. The request that starts an instance from zero holds its first slot
+from the record's creation (:meth:`ClusterState.scale_up` with ``claim``) and goes to the
+process as soon as it is named, with no Redis call; a slot it gives up goes to the next
+request of the function (or is freed). A lost instance (a request's connection to it broke, or reconcile
 found its process dead) goes through one place, :meth:`Router.instance_lost`. Reconcile's
 steps are named methods: :meth:`~Router.release_pending`, :meth:`~Router.expire_idle`,
 :meth:`~Router.forget_dead`, :meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`.
