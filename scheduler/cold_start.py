@@ -243,82 +243,72 @@ class ColdStarter:
         the process is named (no Redis round trip on that request's path)."""
         self._launching.add(instance_id)
         try:
-            await self._launch(instance_id, name, record, device, deadline, claim)
+            keep_alive = record.scaling.keep_alive_s
+            t0 = time.perf_counter()
+
+            def on_target(url: str, token: str) -> None:  # see BaseLauncher.launch
+                target = EarlyTarget(instance_id, url, token)
+                self._targets.setdefault(name, {})[instance_id] = target
+                if claim is not None and not claim.done():
+                    claim.set_result(Claimed(target, early=True))
+                self._notify(name)
+
+            try:
+                if record.model is None:  # place() checked it before the instance was created
+                    raise StartFailed("the function's model is not registered yet; deploy it again")
+                # The launcher (runtime/) takes plain documents: it does not import the scheduler.
+                try:
+                    started = await self.launcher.launch(
+                        instance_id, record.spec, record.model.encode(), device, deadline, on_target
+                    )
+                finally:  # activated or failed: requests route to it through Redis now, or not at all
+                    self.withdraw(name, instance_id)
+            except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
+                no_room = getattr(exc, "code", None) == NO_ROOM
+                log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
+                if no_room:  # the device's state, not the function's fault; but see room_pause_s
+                    self._no_room[name] = (time.monotonic(), self._no_room.get(name, (0.0, 0))[1] + 1)
+                else:
+                    self._failures[name] = (time.time(), str(exc))
+                await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
+                if no_room:  # the placement read an old report: the waiting requests place again
+                    await self.report()
+                self._notify(name)
+                return
+            start_ms = (time.perf_counter() - t0) * 1e3
+            try:
+                fields: dict[str, str | int | float] = {
+                    "url": started.url, "token": started.token, "deadline": time.time() + keep_alive,
+                    "pid": started.pid, "bytes_loaded": started.bytes_loaded,
+                    "bytes_reused": started.bytes_reused, "start_ms": round(start_ms, 3),
+                    "log": started.log_path,
+                }  # fmt: skip
+                await on_loop(
+                    lambda retry: self.state.transition_with(instance_id, "starting", "ready", fields, retry)
+                )
+            except StateConflict:  # deleted while starting
+                await self.launcher.stop(instance_id)
+                return
+            except Exception as exc:  # Redis away too long: do not leave a worker nobody can route to
+                log.warning("instance %s of %s could not be marked ready: %s", instance_id, name, exc)
+                await self.launcher.stop(instance_id)
+                self._failures[name] = (time.time(), f"could not record the instance as ready: {exc}")
+                with contextlib.suppress(SchedulerError):
+                    await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
+                self._notify(name)
+                return
+            self._failures.pop(name, None)
+            self._no_room.pop(name, None)
+            if claim is not None and not claim.done():  # (a launcher that names no process early)
+                claim.set_result(Claimed(EarlyTarget(instance_id, started.url, started.token), early=False))
+            # The next placement must see this instance's pins: it publishes the report first (see
+            # the module docstring), off this start's first request.
+            self._num_marked += 1
+            self._unreported[device] = self._num_marked
+            if self.on_start is not None:
+                self.on_start(name, started)
+            self._notify(name)
         finally:
             self._launching.discard(instance_id)
             if claim is not None and not claim.done():
                 claim.set_result(None)
-
-    async def _launch(
-        self,
-        instance_id: str,
-        name: str,
-        record: FunctionRecord,
-        device: str,
-        deadline: float,
-        claim: Claim | None,
-    ) -> None:
-        keep_alive = record.scaling.keep_alive_s
-        t0 = time.perf_counter()
-
-        def on_target(url: str, token: str) -> None:  # see BaseLauncher.launch
-            target = EarlyTarget(instance_id, url, token)
-            self._targets.setdefault(name, {})[instance_id] = target
-            if claim is not None and not claim.done():
-                claim.set_result(Claimed(target, early=True))
-            self._notify(name)
-
-        try:
-            if record.model is None:  # place() checked it before the instance was created
-                raise StartFailed("the function's model is not registered yet; deploy it again")
-            # The launcher (runtime/) takes plain documents: it does not import the scheduler.
-            try:
-                started = await self.launcher.launch(
-                    instance_id, record.spec, record.model.encode(), device, deadline, on_target
-                )
-            finally:  # activated or failed: requests route to it through Redis now, or not at all
-                self.withdraw(name, instance_id)
-        except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
-            no_room = getattr(exc, "code", None) == NO_ROOM
-            log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
-            if no_room:  # the device's state, not the function's fault; but see room_pause_s
-                self._no_room[name] = (time.monotonic(), self._no_room.get(name, (0.0, 0))[1] + 1)
-            else:
-                self._failures[name] = (time.time(), str(exc))
-            await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
-            if no_room:  # the placement read an old report: the waiting requests place again
-                await self.report()
-            self._notify(name)
-            return
-        start_ms = (time.perf_counter() - t0) * 1e3
-        try:
-            fields: dict[str, str | int | float] = {
-                "url": started.url, "token": started.token, "deadline": time.time() + keep_alive,
-                "pid": started.pid, "bytes_loaded": started.bytes_loaded,
-                "bytes_reused": started.bytes_reused, "start_ms": round(start_ms, 3), "log": started.log_path,
-            }  # fmt: skip
-            await on_loop(
-                lambda retry: self.state.transition_with(instance_id, "starting", "ready", fields, retry)
-            )
-        except StateConflict:  # deleted while starting
-            await self.launcher.stop(instance_id)
-            return
-        except Exception as exc:  # Redis away too long: do not leave a worker nobody can route to
-            log.warning("instance %s of %s could not be marked ready: %s", instance_id, name, exc)
-            await self.launcher.stop(instance_id)
-            self._failures[name] = (time.time(), f"could not record the instance as ready: {exc}")
-            with contextlib.suppress(SchedulerError):
-                await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
-            self._notify(name)
-            return
-        self._failures.pop(name, None)
-        self._no_room.pop(name, None)
-        if claim is not None and not claim.done():  # (a launcher that names no process early)
-            claim.set_result(Claimed(EarlyTarget(instance_id, started.url, started.token), early=False))
-        # The next placement must see this instance's pins: it publishes the report first (see
-        # the module docstring), off this start's first request.
-        self._num_marked += 1
-        self._unreported[device] = self._num_marked
-        if self.on_start is not None:
-            self.on_start(name, started)
-        self._notify(name)

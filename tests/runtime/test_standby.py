@@ -25,6 +25,7 @@ from runtime.assignment import Standby, StandbyMismatch, activate, prepare
 from runtime.engine.sampling import SamplingParams
 from runtime.instance import bind, bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.registry import RegisteredModel
 from runtime.standby_pool import ANNOUNCE_S
 from runtime.worker_guard import TOKEN_HEADER
 from runtime.worker_state import WorkerState
@@ -222,6 +223,31 @@ def test_a_started_instance_fetches_its_first_kv_blocks_before_its_first_request
     asyncio.run(scenario())
 
 
+def standby_by_hand(
+    tiny: RegisteredModel, pool: PoolProcess, document: dict[str, Any], hold_kv: bool
+) -> Standby:
+    """A standby of ``tiny`` as :func:`prepare` leaves one (in this process): its model resident
+    and released; with ``hold_kv``, holding its engine's first KV blocks."""
+    template = load_template(tiny.directory)
+    client = PoolClient(pool.socket_path)
+    placements = client.acquire_placements(template.manifest)  # resident now
+    binding = bind_at(template, client, placements, 64)
+    if hold_kv:
+        source = binding.engine.blocks.source
+        kv = client.kv_alloc(binding.engine.kv_prefetch(), source.block_bytes, aligned=True)
+        binding.engine.adopt_kv(source.adopt(kv))
+    client.release(keep_kv=hold_kv)  # a standby pins no weights
+    prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
+    return Standby(prepared, binding, client, placements, None)
+
+
+def first_assign(tiny: RegisteredModel, pool: PoolProcess, document: dict[str, Any]) -> AssignMessage:
+    """The assign that makes a standby of ``tiny`` instance 1."""
+    return AssignMessage(
+        "1", document, str(tiny.directory), pool.socket_path, None, time.time() + 60, None, 1 << 20
+    )
+
+
 def test_an_activation_brings_its_first_kv_blocks_with_its_weights(tmp_path: Path) -> None:
     """A standby's activation asks for its engine's first KV blocks in the same pool round trip
     as its weights (PoolClient.acquire_with_kv): its engine holds them when the activation
@@ -232,20 +258,12 @@ def test_an_activation_brings_its_first_kv_blocks_with_its_weights(tmp_path: Pat
     document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
 
     async def scenario() -> None:
-        template = load_template(tiny.directory)
-        client = PoolClient(pool.socket_path)
-        placements = client.acquire_placements(template.manifest)  # resident now
-        binding = bind_at(template, client, placements, 64)
-        client.release()  # a standby pins nothing
-        prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
-        standby = Standby(prepared, binding, client, placements, None)
-        assert binding.engine.kv_prefetch() > 0 and not binding.engine.blocks.free
+        standby = standby_by_hand(tiny, pool, document, hold_kv=False)
+        client = standby.client
+        assert standby.binding.engine.kv_prefetch() > 0 and not standby.binding.engine.blocks.free
         counted = CountingSocket(client._sock)
         client._sock = counted
-        message = AssignMessage(
-            "1", document, str(tiny.directory), pool.socket_path, None, time.time() + 60, None, 1 << 20
-        )
-        assignment, reply = await activate(standby, message)
+        assignment, reply = await activate(standby, first_assign(tiny, pool, document))
         try:
             assert counted.writes == 1  # weights and blocks: one round trip
             engine = assignment.binding.engine
@@ -273,26 +291,11 @@ def test_an_activation_pins_its_unmoved_weights_without_sending_the_manifest(tmp
     document = spec("tiny", {"source": str(tmp_path / "tiny.gguf")})
 
     async def scenario() -> None:
-        template = load_template(tiny.directory)
-        client = PoolClient(pool.socket_path)
-        placements = client.acquire_placements(template.manifest)
-        binding = bind_at(template, client, placements, 64)
-        binding.engine.adopt_kv(
-            binding.engine.blocks.source.adopt(
-                client.kv_alloc(
-                    binding.engine.kv_prefetch(), binding.engine.blocks.source.block_bytes, aligned=True
-                )
-            )
-        )
-        client.release(keep_kv=True)  # as prepare() leaves it
-        prepared = StandbyMessage(document, str(tiny.directory), pool.socket_path, None, 1 << 20)
-        standby = Standby(prepared, binding, client, placements, None)
+        standby = standby_by_hand(tiny, pool, document, hold_kv=True)
+        binding, client, template = standby.binding, standby.client, standby.binding.template
         counted = CountingSocket(client._sock)
         client._sock = counted
-        message = AssignMessage(
-            "1", document, str(tiny.directory), pool.socket_path, None, time.time() + 60, None, 1 << 20
-        )
-        assignment, reply = await activate(standby, message)
+        assignment, reply = await activate(standby, first_assign(tiny, pool, document))
         try:
             assert counted.writes == 1 and counted.bytes < 100 < len(template.manifest.encoded())
             assert assignment.binding is binding and "build_ms" not in reply.timings_ms

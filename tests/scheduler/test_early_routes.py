@@ -14,7 +14,7 @@ import pytest
 from scheduler.errors import Rejected, StartFailed
 from scheduler.launcher import MAX_EARLY, OnTarget
 from scheduler.records import FunctionRecord
-from scheduler.router import Router, RouterConfig
+from scheduler.router import Route, Router, RouterConfig
 from scheduler.state import ClusterState
 from tests.scheduler.test_reclaim import DEVICE, BookkeepingLauncher, Started, deploy
 
@@ -74,6 +74,16 @@ class ActivatingLauncher(BookkeepingLauncher):
         if self.fail:
             raise RuntimeError("the activation failed")
         return await super().launch(instance_id, spec, model, device_id, deadline)
+
+
+async def routed_while_starting(
+    launcher: ActivatingLauncher, router: Router, record: FunctionRecord
+) -> asyncio.Future[Route]:
+    """A request of ``f`` being routed, once the launch it caused began."""
+    waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
+    while not launcher.launches_started:
+        await asyncio.sleep(0.01)
+    return waiting
 
 
 def test_a_waiting_request_goes_to_the_instance_being_activated(state: ClusterState) -> None:
@@ -182,9 +192,8 @@ def test_a_ready_slot_goes_before_an_instance_being_activated(state: ClusterStat
         busy = launcher.adopt("f", busy=True)  # ready, its one slot taken
         router = Router(state, launcher, RouterConfig(lease_s=0.0))
         try:
-            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
-            while not launcher.launches_started:  # scaled out: a second instance is starting
-                await asyncio.sleep(0.01)
+            # Scaled out: a second instance is starting.
+            waiting = await routed_while_starting(launcher, router, record)
             # The busy instance frees its slot as the new one's process is named: the waiting
             # request takes the ready slot, not the activation.
             state.release(busy, 60.0)
@@ -216,9 +225,7 @@ def test_the_request_that_starts_an_instance_from_zero_holds_its_first_slot(stat
         # (No polling turn meanwhile: only the process being named wakes the request.)
         router = Router(state, launcher, RouterConfig(lease_s=0.0, poll_s=30.0))
         try:
-            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
-            while not launcher.launches_started:
-                await asyncio.sleep(0.01)
+            waiting = await routed_while_starting(launcher, router, record)
             (inst,) = state.instances("f")
             assert inst.state == "starting" and inst.in_flight == 1  # counted with the record
             before = script_calls(state)
@@ -240,9 +247,7 @@ def test_the_request_that_starts_an_instance_from_zero_holds_its_first_slot(stat
         launcher = ActivatingLauncher(state, name_later=True)
         router = Router(state, launcher, RouterConfig(lease_s=0.0, poll_s=30.0))
         try:
-            waiting = asyncio.ensure_future(router.route("f", record, time.time() + 30))
-            while not launcher.launches_started:
-                await asyncio.sleep(0.01)
+            waiting = await routed_while_starting(launcher, router, record)
             waiting.cancel()  # its client hung up before the instance took it
             await asyncio.sleep(0.05)
             assert state.instances("f")[0].in_flight == 1  # not known yet to outlive the start
@@ -267,9 +272,7 @@ def test_a_slot_given_up_while_its_instance_starts_goes_to_the_next_request(stat
         launcher = ActivatingLauncher(state, name_later=True)
         router = Router(state, launcher, RouterConfig(lease_s=0.0))
         try:
-            first = asyncio.ensure_future(router.route("f", record, time.time() + 30))
-            while not launcher.launches_started:
-                await asyncio.sleep(0.01)
+            first = await routed_while_starting(launcher, router, record)
             first.cancel()
             await asyncio.sleep(0.05)
             second = asyncio.ensure_future(router.route("f", record, time.time() + 30))
