@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mesh-page-fd", type=int, default=None, help="memfd of its state page")
     parser.add_argument(
+        "--control-fd", type=int, default=None, help="socketpair end of the agent's control line"
+    )
+    parser.add_argument(
         "--survive-pool-loss",
         action="store_true",
         help="when the pool dies, end the instance but wait to be assigned its function again",
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh_fd=args.mesh_fd,
         mesh_page_fd=args.mesh_page_fd,
         survive_pool_loss=args.survive_pool_loss,
+        control_fd=args.control_fd,
     )
     return 0
 

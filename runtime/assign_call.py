@@ -1,5 +1,8 @@
 """One ``/_ember/assign`` from the node agent to a worker, its failures typed.
 
+It goes over the worker's control line (:mod:`runtime.control_line`) when it has one, else
+over HTTP; the reply and its failures are the same either way.
+
 The worker that fails an assign is ended, whatever the failure: a half-assigned worker is
 trusted with nothing. The caller learns why from the error's class: :class:`Undelivered` (the
 connection failed before anything reached the worker: another worker may take the function),
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpu_pool.errors import OutOfMemory
+from runtime.control_line import fits
 from runtime.errors import LaunchError, NoRoom
 from runtime.messages import AssignMessage, AssignReply, MessageError
 from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
@@ -42,8 +46,12 @@ async def assign(
     ``drain_s``). ``on_target`` is told the worker as the assign goes out."""
     if on_target is not None:  # the worker holds what comes before the assign (either order)
         on_target(worker.url, worker.token)
+    body = message.to_json()
     try:
-        resp = await http.post(worker, "assign", message.to_json())
+        if worker.control is not None and fits(body.encode()):  # no HTTP on the start's path
+            resp = await worker.control.assign(body.encode(), http.timeout_s)
+        else:
+            resp = await http.post(worker, "assign", body)
     except WorkerUnreachable as exc:
         await worker.terminate(drain_s)
         raise Undelivered(str(exc)) from None

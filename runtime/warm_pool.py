@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from runtime.agent_config import AgentConfig
+from runtime.control_line import Caller, new_pair
 from runtime.errors import LaunchError
 from runtime.mesh.state_page import PAGE_BYTES, new_page_fd
 from runtime.messages import PreloadMessage
@@ -191,6 +192,9 @@ class WarmPool:
         page_fd = new_page_fd()
         page = mmap.mmap(page_fd, PAGE_BYTES, prot=mmap.PROT_READ)
         args += ["--mesh-fd", str(mesh_child.fileno()), "--mesh-page-fd", str(page_fd)]
+        # ... and its control line, for the assign (runtime.control_line).
+        control, control_child = new_pair()
+        args += ["--control-fd", str(control_child.fileno())]
         try:
             with open(log_path, "ab") as log:
                 proc = await asyncio.create_subprocess_exec(
@@ -199,14 +203,16 @@ class WarmPool:
                     stderr=log,
                     stdin=asyncio.subprocess.PIPE,
                     env=env,
-                    pass_fds=(mesh_child.fileno(), page_fd),
+                    pass_fds=(mesh_child.fileno(), page_fd, control_child.fileno()),
                 )  # no preexec_fn (it would fork this whole process): the worker arms --parent-pid itself
         except BaseException:
             mesh.close()
             page.close()
+            control.close()
             raise
         finally:
             mesh_child.close()
+            control_child.close()
             os.close(page_fd)
         assert proc.stdout is not None and proc.stdin is not None
         self._spawning[proc.pid] = proc
@@ -222,6 +228,7 @@ class WarmPool:
         except BaseException:  # cancelled (a standby's start, when the agent closes): not left running
             mesh.close()
             page.close()
+            control.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise
@@ -231,6 +238,7 @@ class WarmPool:
         if not line:
             mesh.close()
             page.close()
+            control.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -241,11 +249,14 @@ class WarmPool:
         except (ValueError, KeyError, TypeError) as exc:
             mesh.close()
             page.close()
+            control.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
             raise LaunchError(f"a pre-warmed worker sent a malformed ready line: {exc}") from None
-        return WorkerHandle(proc, url, log_path, token, mesh_sock=mesh, mesh_page=page)
+        return WorkerHandle(
+            proc, url, log_path, token, mesh_sock=mesh, mesh_page=page, control=Caller(control)
+        )
 
     async def _age(self, pid: int) -> None:
         """A worker still starting after ``prewarm_idle_limit_s`` leaves SCHED_IDLE (see config)

@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
@@ -45,7 +46,13 @@ from starlette.types import Receive
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, StandbyMismatch, activate, assign, prepare
-from runtime.early_requests import INSTANCE_HEADER, NEVER_RAN_HEADER, NOT_STARTED
+from runtime.early_requests import (
+    INSTANCE_HEADER,
+    NEVER_RAN_HEADER,
+    NOT_STARTED,
+    Share,
+    release_at_first_output,
+)
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
 from runtime.errors import EmberRuntimeError, PoolLost, error_body, route_error
@@ -140,6 +147,14 @@ def _failed(exc: RequestFailed) -> JSONResponse:
     return _error(500, exc.code, str(exc))
 
 
+class Served(NamedTuple):
+    """The instance a request is served by, and its share of the activation's handover (a
+    request the worker held: :mod:`runtime.early_requests`)."""
+
+    assignment: Assignment
+    share: Share | None
+
+
 async def _prefetch_kv(engine: Engine) -> None:
     """A new instance's first KV blocks (:meth:`Engine.scale_kv`: the watermark's), on the event
     loop like every other call on its pool session."""
@@ -206,10 +221,11 @@ def build_app(state: WorkerState) -> FastAPI:
         set_engine_threads(message.num_threads)  # this (event-loop) thread steps the engine
         return {"num_threads": torch.get_num_threads()}
 
-    @app.post("/_ember/assign")
-    async def assign_route(raw: Request) -> Any:
+    async def assign_body(body: bytes) -> Response:
+        """An assign (its JSON ``body``), from ``/_ember/assign`` or the agent's control line
+        (:mod:`runtime.control_line`)."""
+
         async def become() -> Response:
-            body = await raw.body()
             try:
                 message = AssignMessage.from_json(body)
                 standby, state.standby = state.standby, None
@@ -233,20 +249,36 @@ def build_app(state: WorkerState) -> FastAPI:
                 raise
             state.released = None
             state.schedule_tokens(message)
-            # The requests held for this activation go first (one loop turn): this reply is not
-            # on their path, only on the agent's way to recording the instance ready.
-            state.early.ended()
+            # The requests held for this assign go first: this reply is not on their path, only
+            # on the agent's way to recording the instance ready. For the default handler it
+            # waits for their first outputs (runtime.early_requests.Handover); a custom
+            # handler's requests are its own code's, of unknown length: one loop turn.
+            handover = state.early.ended()
             await asyncio.sleep(0)
-            # The KV blocks a first request would fetch from the pool (a round trip on its path,
+            a = state.assignment
+            if a is not None and a.runner is None:
+                waited_s = await handover.wait()
+                reply = replace(reply, timings_ms={**reply.timings_ms, "handover_wait_ms": waited_s * 1e3})
+                a = state.assignment
+            if a is None:  # its pool died meanwhile (WorkerState.release)
+                raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
+            # The KV blocks a next request would fetch from the pool (a round trip on its path,
             # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
             # for a custom handler: it may never run the model, and would hold them for nothing.
-            a = state.assignment
-            if a is None:  # its pool died during that turn (WorkerState.release)
-                raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
             prefetch = BackgroundTask(_prefetch_kv, a.binding.engine) if a.runner is None else None
             return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
         return await _assigning(become)
+
+    @app.post("/_ember/assign")
+    async def assign_route(raw: Request) -> Any:
+        return await assign_body(await raw.body())
+
+    async def assign_line(body: bytes) -> tuple[int, bytes, Callable[[], Awaitable[None]] | None]:
+        response = await assign_body(body)
+        return response.status_code, bytes(response.body), response.background
+
+    app.state.assign_line = assign_line  # serve() gives it to the control line
 
     @app.post("/_ember/standby")
     async def standby_route(raw: Request) -> Any:
@@ -282,22 +314,29 @@ def build_app(state: WorkerState) -> FastAPI:
             state.assigning = False
             state.early.ended()
 
-    async def serving(raw: Request) -> Assignment | JSONResponse:
+    async def serving(raw: Request) -> Served | JSONResponse:
         """The instance to serve ``raw`` with: a request sent before the activation of the
-        instance it names ended waits for it (:mod:`runtime.early_requests`)."""
+        instance it names ended waits for it (:mod:`runtime.early_requests`), and then holds
+        a share of the activation's handover (the caller releases it)."""
         a = state.assignment
         instance_id = raw.headers.get(INSTANCE_HEADER)
         released = state.released
         if a is None and released is not None and instance_id in (None, released):
             return _ended(released)  # its pool died (WorkerState.release): routed again
         if instance_id is None:
-            return a if a is not None else _error(409, "not_assigned", "this worker serves no function yet")
-        if a is None and await state.early.hold(raw.headers.get("x-ember-deadline")):
-            a = state.assignment
+            if a is None:
+                return _error(409, "not_assigned", "this worker serves no function yet")
+            return Served(a, None)
+        share = None
+        if a is None:
+            share = await state.early.hold_share(raw.headers.get("x-ember-deadline"))
+            a = state.assignment if share is not None else None
         if a is None or a.instance_id != instance_id:
+            if share is not None:
+                share.release()
             why = f"instance {instance_id} did not start here; the request never ran"
             return _never_ran(instance_id, why)
-        return a
+        return Served(a, share)
 
     def _ended(instance_id: str) -> JSONResponse:
         return _never_ran(instance_id, f"instance {instance_id} ended with its pool; the request never ran")
@@ -333,13 +372,25 @@ def build_app(state: WorkerState) -> FastAPI:
                 return Ahead(body, request, None, None)
             return Ahead(body, request, binding, prepared)
 
-    async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
+    async def openai(raw: Request, chat: bool, body: Any = None, share: Share | None = None) -> Any:
+        """A chat or completion request (``body``: its JSON read already, by ``/invoke``, which
+        hands on its ``share`` of an activation's handover)."""
         early = await ahead(raw, chat) if body is None else None
         if isinstance(early, JSONResponse):
             return early
-        a = await serving(raw)
-        if isinstance(a, JSONResponse):
-            return a
+        served = await serving(raw)
+        if isinstance(served, JSONResponse):
+            return served
+        share = share if share is not None else served.share
+        try:
+            return await _openai(raw, chat, body, early, served.assignment, share)
+        finally:
+            if share is not None:  # unless its streams took it (released at their first output)
+                share.release()
+
+    async def _openai(
+        raw: Request, chat: bool, body: Any, early: Ahead | None, a: Assignment, share: Share | None
+    ) -> Any:
         if early is not None:
             body = early.body
         elif body is None:
@@ -374,6 +425,8 @@ def build_app(state: WorkerState) -> FastAPI:
             prepared.adapter,
             hang_up if request.stream else None,
         )
+        if share is not None:
+            streams = release_at_first_output(streams, share.transfer())
         reporter = a.binding.reporter(params)
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
@@ -418,9 +471,17 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/invoke")
     async def invoke(raw: Request) -> Any:
-        a = await serving(raw)
-        if isinstance(a, JSONResponse):
-            return a
+        served = await serving(raw)
+        if isinstance(served, JSONResponse):
+            return served
+        a, share = served
+        try:
+            return await _invoke(raw, a, share)
+        finally:
+            if share is not None:  # unless the default handler's streams took it
+                share.release()
+
+    async def _invoke(raw: Request, a: Assignment, share: Share | None) -> Any:
         event = await _json(raw)
         if isinstance(event, JSONResponse):
             return event
@@ -431,7 +492,7 @@ def build_app(state: WorkerState) -> FastAPI:
                 return _error(
                     400, "invalid_request_error", "the event needs exactly one of 'messages' or 'prompt'"
                 )
-            return await openai(raw, chat="messages" in event, body=event)
+            return await openai(raw, chat="messages" in event, body=event, share=share)
         rid = raw.headers.get("x-ember-request-id") or uuid.uuid4().hex
         deadline = float(raw.headers.get("x-ember-deadline") or time.time() + 300)
         try:
@@ -469,6 +530,7 @@ def serve(
     mesh_fd: int | None = None,
     mesh_page_fd: int | None = None,
     survive_pool_loss: bool = False,
+    control_fd: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM; prints one JSON readiness line with its URL on stdout.
 
@@ -484,6 +546,7 @@ def serve(
     ``mesh_page_fd``: the memfd of the page it publishes its requests in for the agent.
     ``survive_pool_loss``: when its pool dies, the instance ends but the process stays
     (:meth:`WorkerState.pool_lost`), for an agent that starts the function on it again.
+    ``control_fd``: this worker's end of its agent's control line (:mod:`runtime.control_line`).
     """
     if guard is None:
         raise ValueError("a worker needs a GuardConfig (its credential)")
@@ -516,6 +579,11 @@ def serve(
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
     inner = build_app(state)
+    line = None
+    if control_fd is not None:
+        from runtime.control_line import LineServer
+
+        line = LineServer(socket.socket(fileno=control_fd), inner.state.assign_line)
     app = WorkerGuard(inner, guard)
     config = server_config(
         app, headers or HeaderLimits(), log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
@@ -529,6 +597,8 @@ def serve(
         state.loop = asyncio.get_running_loop()
         state.sandbox.install(state.loop)  # before anything runs in a thread
         await rehearse(inner)  # the request path's lazy imports and first calls, off the cold path
+        if line is not None:
+            line.start()
         if assignment is not None:
             state.assignment, _ = await assign(state, assignment)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -1,8 +1,9 @@
 """One worker process as the node agent sees it: its URL, its credential, how to stop it.
 
-The agent speaks to a worker only over ``/_ember/*`` (bodies are :mod:`runtime.messages`
-JSON sent by :mod:`runtime.worker_client`, each request carries the worker's own credential,
-:mod:`runtime.worker_guard`) and ends
+The agent speaks to a worker over ``/_ember/*`` (bodies are :mod:`runtime.messages` JSON sent
+by :mod:`runtime.worker_client`, each request carries the worker's own credential,
+:mod:`runtime.worker_guard`), or sends its assign over the worker's control line
+(:mod:`runtime.control_line`) when the agent spawned it with one, and ends
 it with SIGTERM, which makes the worker drain and release its pool session; SIGKILL follows
 when the drain takes longer than the agent allows.
 """
@@ -16,6 +17,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.control_line import Caller
 from runtime.messages import AssignMessage
 from runtime.worker_guard import TOKEN_HEADER
 
@@ -36,6 +38,8 @@ class WorkerHandle:
     # The agent's end of the worker's line to the token scheduler (runtime.mesh.grant_server).
     mesh_sock: socket.socket | None = field(default=None, repr=False)
     mesh_page: mmap.mmap | None = field(default=None, repr=False)  # its requests (read-only here)
+    # The agent's end of the worker's control line (runtime.control_line): its assign goes there.
+    control: Caller | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -67,10 +71,12 @@ class WorkerHandle:
             self.close_lines()
 
     def close_lines(self) -> None:
-        """Close the agent's ends of the worker's token-scheduler line and state page
-        (idempotent; detach it from its device's grants first)."""
+        """Close the agent's ends of the worker's token-scheduler line, state page and control
+        line (idempotent; detach it from its device's grants first)."""
         if self.mesh_sock is not None:
             self.mesh_sock.close()
+        if self.control is not None:
+            self.control.close()
         if self.mesh_page is not None:
             self.mesh_page.close()
 

@@ -1,0 +1,198 @@
+"""The node agent's control line to a worker it started: the assign, without HTTP.
+
+An assign is on an instance start's critical path twice: the acquire it makes waits for it,
+and the requests routed to the worker meanwhile wait for the acquire. Over HTTP it cost
+~1.4 ms from the agent's POST to the worker's pool acquire on a 2-core host (the client's
+request, then the server's parse, ASGI stack and routing, with every process of the start
+competing for the cores); over this line it is one ``send`` and one ``recv``.
+
+The line is a ``SOCK_SEQPACKET`` socketpair the agent opens when it spawns the worker (as it
+does the token scheduler's, :mod:`runtime.mesh`): nobody else can speak on it, so it needs no
+credential. Each call is one message each way, in this versioned encoding (network order)::
+
+    magic b"EMBc" | version u8 | kind u8 | call id u32 | status u16 | body (JSON, runtime.messages)
+
+A request is :data:`KIND_ASSIGN` with status 0; its reply :data:`KIND_REPLY` with the call's
+id and the HTTP status the worker's ``/_ember/assign`` route would have answered, its body
+the same JSON. A reply whose id is not the call's (one of a call given up on) is dropped. A
+body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`). The worker serves one
+message at a time, in order (an assign is one at a time anyway); a malformed one is answered
+400 when its id can be read, and dropped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+from runtime.errors import error_body
+from runtime.worker_client import WorkerCallFailed, WorkerReply, WorkerUnreachable
+
+MAGIC = b"EMBc"
+VERSION = 1
+KIND_ASSIGN = 1
+KIND_REPLY = 2
+HEADER = struct.Struct("!4sBBIH")  # magic, version, kind, call id, status
+# The largest body sent over the line (bytes): within a socket's default send buffer (one
+# message must fit it whole); an assign is a few KiB (its spec is bounded far below this).
+MAX_BODY_BYTES = 128 << 10
+MAX_MESSAGE_BYTES = HEADER.size + MAX_BODY_BYTES
+
+log = logging.getLogger("ember.worker")
+
+
+class Message(NamedTuple):
+    kind: int
+    call_id: int
+    status: int
+    body: bytes
+
+
+def encode(kind: int, call_id: int, status: int, body: bytes) -> bytes:
+    """One message of the line (see the module docstring)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"a control message body is at most {MAX_BODY_BYTES} bytes, got {len(body)}")
+    return HEADER.pack(MAGIC, VERSION, kind, call_id, status) + body
+
+
+def decode(raw: bytes) -> Message:
+    """The message in ``raw``; ValueError when it is not one of this version."""
+    if len(raw) < HEADER.size:
+        raise ValueError(f"a control message is at least {HEADER.size} bytes, got {len(raw)}")
+    magic, version, kind, call_id, status = HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise ValueError("not a control message (bad magic)")
+    if version != VERSION:
+        raise ValueError(f"control message version {version}, this worker speaks {VERSION}")
+    if kind not in (KIND_ASSIGN, KIND_REPLY):
+        raise ValueError(f"unknown control message kind {kind}")
+    return Message(kind, call_id, status, raw[HEADER.size :])
+
+
+def fits(body: bytes) -> bool:
+    """Whether ``body`` can go over the line (else over HTTP)."""
+    return len(body) <= MAX_BODY_BYTES
+
+
+def new_pair() -> tuple[socket.socket, socket.socket]:
+    """(the agent's end, the worker's end) of a new line."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class Caller:
+    """The agent's end of one worker's line: one call at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.num_calls = 0  # calls sent (delivered to the worker's end)
+        self._next_id = 0
+        self._lock = asyncio.Lock()
+
+    async def assign(self, body: bytes, timeout_s: float) -> WorkerReply:
+        """Send an assign; the worker's reply. :class:`WorkerUnreachable` when nothing was
+        delivered (the worker's end is closed), :class:`WorkerCallFailed` when no reply came
+        within ``timeout_s`` or the line broke after the send."""
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            self._next_id = (self._next_id + 1) % (1 << 32)
+            call_id = self._next_id
+            try:
+                await loop.sock_sendall(self.sock, encode(KIND_ASSIGN, call_id, 0, body))
+            except OSError as exc:  # a whole message is queued or none of it (SEQPACKET)
+                raise WorkerUnreachable(f"the worker's control line: {exc}") from None
+            self.num_calls += 1
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while True:
+                        raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
+                        if not raw:
+                            raise WorkerCallFailed("the worker closed its control line (it exited)")
+                        try:
+                            reply = decode(raw)
+                        except ValueError as exc:
+                            raise WorkerCallFailed(f"a malformed control reply: {exc}") from None
+                        if reply.kind == KIND_REPLY and reply.call_id == call_id:
+                            return WorkerReply(reply.status, reply.body)
+                        # a reply to a call given up on (its worker is ended by then): dropped
+            except TimeoutError:
+                raise WorkerCallFailed(f"no reply on the control line within {timeout_s:g} s") from None
+            except OSError as exc:
+                raise WorkerCallFailed(f"the worker's control line: {exc}") from None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# What the worker does with an assign's body: (HTTP status, JSON reply body, then-task or None).
+AssignHandler = Callable[[bytes], Awaitable[tuple[int, bytes, Callable[[], Awaitable[None]] | None]]]
+
+
+class LineServer:
+    """The worker's end of its line: serves each message with ``handler``, one at a time."""
+
+    def __init__(self, sock: socket.socket, handler: AssignHandler) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.handler = handler
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Serve on the running loop until the agent closes its end."""
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
+            except OSError as exc:
+                log.warning("the control line failed: %s", exc)
+                return
+            if not raw:  # the agent closed its end: assigns come over HTTP, if any
+                return
+            await self._serve_one(raw)
+
+    async def _serve_one(self, raw: bytes) -> None:
+        # (A method of its own: what the handler returned, its then-task holding the engine
+        # say, is not kept alive while the line waits for the next message.)
+        try:
+            message = decode(raw)
+            if message.kind != KIND_ASSIGN:
+                raise ValueError(f"a worker takes assigns, not kind {message.kind}")
+            if len(raw) > MAX_MESSAGE_BYTES:
+                raise ValueError(f"a control message is at most {MAX_MESSAGE_BYTES} bytes")
+        except ValueError as exc:
+            if len(raw) >= HEADER.size:  # its id is readable: answered like a bad request
+                call_id = HEADER.unpack_from(raw)[3]
+                await self._reply(call_id, 400, _error_body("invalid_request_error", str(exc)))
+            else:
+                log.warning("a malformed control message was dropped: %s", exc)
+            return
+        status, body, then = await self.handler(message.body)
+        await self._reply(message.call_id, status, body)
+        if then is not None:
+            await then()
+
+    async def _reply(self, call_id: int, status: int, body: bytes) -> None:
+        if len(body) > MAX_BODY_BYTES:  # (a reply is a small document: never in practice)
+            status, body = 500, _error_body("reply_too_large", f"a reply of {len(body)} bytes")
+        with contextlib.suppress(OSError):  # the agent is gone: it ends this worker
+            await asyncio.get_running_loop().sock_sendall(
+                self.sock, encode(KIND_REPLY, call_id, status, body)
+            )
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sock.close()
+
+
+def _error_body(kind: str, message: str) -> bytes:
+    return json.dumps(error_body(kind, message)).encode()
