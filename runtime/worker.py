@@ -65,6 +65,7 @@ from runtime.openai_api import ChatRequest, CompletionRequest, RequestError, par
 from runtime.openai_response import collect, completion_body, sse_chunks, sse_event
 from runtime.openai_tool_stream import tool_sse_chunks
 from runtime.openai_tools import tool_message
+from runtime.process import collection_paused
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.server_timing import ServerTiming
@@ -268,7 +269,12 @@ def build_app(state: WorkerState) -> FastAPI:
             prefetch = BackgroundTask(_prefetch_kv, a.binding.engine) if a.runner is None else None
             return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
-        return await _assigning(become)
+        # A standby's activation for the default handler is a few ms on a request's path: no
+        # collection until its reply (a custom handler's initializer, the function's own code,
+        # may run for long).
+        standby = state.standby
+        with collection_paused(standby is not None and standby.handler is None):
+            return await _assigning(become)
 
     @app.post("/_ember/assign")
     async def assign_route(raw: Request) -> Any:
