@@ -13,10 +13,11 @@ connection failed before anything reached the worker: another worker may take th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from gpu_pool.errors import OutOfMemory
-from runtime.control_line import fits
+from runtime.control_line import LineTooSmall, fits
 from runtime.errors import LaunchError, NoRoom
 from runtime.messages import AssignMessage, AssignReply, MessageError
 from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
@@ -48,9 +49,11 @@ async def assign(
         on_target(worker.url, worker.token)
     body = message.to_json()
     try:
+        resp = None
         if worker.control is not None and fits(body.encode()):  # no HTTP on the start's path
-            resp = await worker.control.assign(body.encode(), http.timeout_s)
-        else:
+            with contextlib.suppress(LineTooSmall):  # (nothing delivered)
+                resp = await worker.control.assign(body.encode(), http.timeout_s)
+        if resp is None:
             resp = await http.post(worker, "assign", body)
     except WorkerUnreachable as exc:
         await worker.terminate(drain_s)

@@ -14,8 +14,9 @@ credential. Each call is one message each way, in this versioned encoding (netwo
 
 A request is :data:`KIND_ASSIGN` with status 0; its reply :data:`KIND_REPLY` with the call's
 id and the HTTP status the worker's ``/_ember/assign`` route would have answered, its body
-the same JSON. A reply whose id is not the call's (one of a call given up on) is dropped. A
-body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`). The worker serves one
+the same JSON. A reply whose id (random) is not the call's (one of a call given up on) is
+dropped. A body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`), and so
+does one the line refuses whole (:class:`LineTooSmall`). The worker serves one
 message at a time, in order (an assign is one at a time anyway); a malformed one is answered
 400 when its id can be read, and dropped otherwise.
 """
@@ -24,14 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import secrets
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from runtime.errors import error_body
+from runtime.errors import LaunchError, error_body
 from runtime.worker_client import WorkerCallFailed, WorkerReply, WorkerUnreachable
 
 MAGIC = b"EMBc"
@@ -80,9 +83,18 @@ def fits(body: bytes) -> bool:
     return len(body) <= MAX_BODY_BYTES
 
 
+class LineTooSmall(LaunchError):
+    """The line refused a message whole (its socket buffer is smaller than the message, as
+    ``net.core.wmem_max`` may cap it): nothing was delivered; the caller goes over HTTP."""
+
+
 def new_pair() -> tuple[socket.socket, socket.socket]:
-    """(the agent's end, the worker's end) of a new line."""
-    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    """(the agent's end, the worker's end) of a new line, each able to queue a whole message
+    of :data:`MAX_MESSAGE_BYTES` where the host allows it (else :class:`LineTooSmall`)."""
+    ends = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for end in ends:
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
+    return ends
 
 
 class Caller:
@@ -92,42 +104,61 @@ class Caller:
         sock.setblocking(False)
         self.sock = sock
         self.num_calls = 0  # calls sent (delivered to the worker's end)
-        self._next_id = 0
         self._lock = asyncio.Lock()
+        self._in_flight = False
+        self._closing = False
 
     async def assign(self, body: bytes, timeout_s: float) -> WorkerReply:
         """Send an assign; the worker's reply. :class:`WorkerUnreachable` when nothing was
-        delivered (the worker's end is closed), :class:`WorkerCallFailed` when no reply came
-        within ``timeout_s`` or the line broke after the send."""
+        delivered (the worker's end is closed), :class:`LineTooSmall` when the line cannot
+        take the message, :class:`WorkerCallFailed` when no reply came within ``timeout_s``
+        (the wait for an earlier call and the send included) or the line broke after the send."""
         loop = asyncio.get_running_loop()
-        async with self._lock:
-            self._next_id = (self._next_id + 1) % (1 << 32)
-            call_id = self._next_id
-            try:
-                await loop.sock_sendall(self.sock, encode(KIND_ASSIGN, call_id, 0, body))
-            except OSError as exc:  # a whole message is queued or none of it (SEQPACKET)
-                raise WorkerUnreachable(f"the worker's control line: {exc}") from None
-            self.num_calls += 1
-            try:
-                async with asyncio.timeout(timeout_s):
-                    while True:
-                        raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
-                        if not raw:
-                            raise WorkerCallFailed("the worker closed its control line (it exited)")
-                        try:
-                            reply = decode(raw)
-                        except ValueError as exc:
-                            raise WorkerCallFailed(f"a malformed control reply: {exc}") from None
-                        if reply.kind == KIND_REPLY and reply.call_id == call_id:
-                            return WorkerReply(reply.status, reply.body)
-                        # a reply to a call given up on (its worker is ended by then): dropped
-            except TimeoutError:
-                raise WorkerCallFailed(f"no reply on the control line within {timeout_s:g} s") from None
-            except OSError as exc:
-                raise WorkerCallFailed(f"the worker's control line: {exc}") from None
+        sent = False
+        try:
+            async with asyncio.timeout(timeout_s), self._lock:
+                if self._closing:
+                    raise WorkerUnreachable("the worker's control line is closed")
+                self._in_flight = True
+                call_id = secrets.randbits(32)  # (a reply queued ahead cannot guess it)
+                try:
+                    await loop.sock_sendall(self.sock, encode(KIND_ASSIGN, call_id, 0, body))
+                except OSError as exc:  # a whole message is queued or none of it (SEQPACKET)
+                    if exc.errno in (errno.EMSGSIZE, errno.ENOBUFS):
+                        raise LineTooSmall(f"the worker's control line: {exc}") from None
+                    raise WorkerUnreachable(f"the worker's control line: {exc}") from None
+                sent = True
+                self.num_calls += 1
+                while True:
+                    raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
+                    if not raw:
+                        raise WorkerCallFailed("the worker closed its control line (it exited)")
+                    try:
+                        reply = decode(raw)
+                    except ValueError as exc:
+                        raise WorkerCallFailed(f"a malformed control reply: {exc}") from None
+                    if reply.kind == KIND_REPLY and reply.call_id == call_id:
+                        return WorkerReply(reply.status, reply.body)
+                    # a reply to a call given up on (its worker is ended by then): dropped
+        except TimeoutError:
+            what = "no reply" if sent else "the line was not free"
+            raise WorkerCallFailed(f"{what} on the control line within {timeout_s:g} s") from None
+        except OSError as exc:
+            raise WorkerCallFailed(f"the worker's control line: {exc}") from None
+        finally:
+            self._in_flight = False
+            if self._closing:
+                self.sock.close()
 
     def close(self) -> None:
-        self.sock.close()
+        """Close the agent's end; a call waiting on it fails at once: the end is shut down,
+        which ends the call's read, and closed after it (closed under a pending read, it
+        would leave the call to its timeout)."""
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        if not self._in_flight:
+            self.sock.close()
 
 
 # What the worker does with an assign's body: (HTTP status, JSON reply body, then-task or None).
@@ -175,10 +206,17 @@ class LineServer:
             else:
                 log.warning("a malformed control message was dropped: %s", exc)
             return
-        status, body, then = await self.handler(message.body)
+        try:
+            status, body, then = await self.handler(message.body)
+        except Exception as exc:  # a bug: answered, logged, and the line serves on
+            log.exception("an assign over the control line failed")
+            status, body, then = 500, _error_body("internal_error", f"{type(exc).__name__}: {exc}"), None
         await self._reply(message.call_id, status, body)
         if then is not None:
-            await then()
+            try:
+                await then()
+            except Exception:
+                log.exception("the work after an assign's reply failed")
 
     async def _reply(self, call_id: int, status: int, body: bytes) -> None:
         if len(body) > MAX_BODY_BYTES:  # (a reply is a small document: never in practice)

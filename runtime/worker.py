@@ -257,7 +257,9 @@ def build_app(state: WorkerState) -> FastAPI:
             handover = state.early.ended()
             await asyncio.sleep(0)
             a = state.assignment
-            if a is not None and a.runner is None:
+            # Not when the agent's token scheduler admits and steps it: the agent attaches this
+            # instance to its grants only on the reply, so its requests wait for it.
+            if a is not None and a.runner is None and a.binding.engine.gate is None:
                 waited_s = await handover.wait()
                 reply = replace(reply, timings_ms={**reply.timings_ms, "handover_wait_ms": waited_s * 1e3})
                 a = state.assignment
@@ -431,9 +433,9 @@ def build_app(state: WorkerState) -> FastAPI:
             prepared.adapter,
             hang_up if request.stream else None,
         )
+        reporter = a.binding.reporter(params)
         if share is not None:
             streams = release_at_first_output(streams, share.transfer())
-        reporter = a.binding.reporter(params)
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
                 chunks = tool_sse_chunks(
@@ -589,6 +591,7 @@ def serve(
     if control_fd is not None:
         from runtime.control_line import LineServer
 
+        os.set_inheritable(control_fd, False)  # not the function's subprocesses' (the agent sees EOF)
         line = LineServer(socket.socket(fileno=control_fd), inner.state.assign_line)
     app = WorkerGuard(inner, guard)
     config = server_config(

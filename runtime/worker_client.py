@@ -1,12 +1,13 @@
 """The node agent's HTTP client for its workers' ``/_ember/*`` routes.
 
 One aiohttp session per agent, its idle connections kept for a minute (below the worker's own
-75 s, :data:`runtime.worker.KEEP_ALIVE_S`), so the assign that activates a standby reuses the
-connection its preparation opened. aiohttp, not httpx: a POST to a local worker costs 1.2 ms
-against httpx's 3.0 ms (median of 300 interleaved calls to one worker), and an instance start
-makes one on its critical path. Failures are typed: :class:`WorkerUnreachable` when the
-connection failed before anything was sent (the caller may use another worker), else
-:class:`WorkerCallFailed` (the request may have reached the worker).
+75 s, :data:`runtime.worker.KEEP_ALIVE_S`). aiohttp, not httpx: a POST to a local worker costs
+1.2 ms against httpx's 3.0 ms (median of 300 interleaved calls to one worker). The assign, on
+an instance start's critical path, goes over the worker's control line when it has one
+(:mod:`runtime.control_line`), with the same replies and failures. Failures are typed:
+:class:`WorkerUnreachable` when the connection failed before anything was sent (the caller
+may use another worker), else :class:`WorkerCallFailed` (the request may have reached the
+worker).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_a_call_fails_typed_when_the_line_or_the_worker_fails() -> None:
         caller = Caller(agent_end)
         call = asyncio.ensure_future(caller.assign(b"{}", 5.0))
         sent = decode(await loop.run_in_executor(None, worker_end.recv, 65536))
-        worker_end.send(encode(KIND_REPLY, sent.call_id - 1, 500, b"stale"))
+        worker_end.send(encode(KIND_REPLY, (sent.call_id + 1) % 2**32, 500, b"stale"))
         worker_end.send(encode(KIND_REPLY, sent.call_id, 200, b"fresh"))
         assert (await call).content == b"fresh"
         # No reply in time: the call failed after it may have been delivered.
@@ -111,6 +112,52 @@ def test_a_call_fails_typed_when_the_line_or_the_worker_fails() -> None:
             await caller.assign(b"{}", 5.0)
         assert caller.num_calls == 3
         caller.close()
+        # A message the line cannot queue whole: refused, nothing delivered (then over HTTP).
+        agent_end, worker_end = new_pair()
+        agent_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        small = Caller(agent_end)
+        with pytest.raises(control_line.LineTooSmall):
+            await small.assign(b"x" * control_line.MAX_BODY_BYTES, 5.0)
+        assert small.num_calls == 0
+        # The agent closes its end while a call waits for its reply: it fails at once.
+        call = asyncio.ensure_future(small.assign(b"{}", 30.0))
+        await loop.run_in_executor(None, worker_end.recv, 65536)
+        t0 = time.monotonic()
+        small.close()
+        with pytest.raises(WorkerCallFailed):
+            await call
+        assert time.monotonic() - t0 < 10.0
+        worker_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_handler_is_answered_and_the_line_serves_on() -> None:
+    async def scenario() -> None:
+        agent_end, worker_end = new_pair()
+        calls: list[bytes] = []
+
+        async def handler(body: bytes) -> tuple[int, bytes, Then]:
+            calls.append(body)
+            if body == b"raise":
+                raise RuntimeError("a bug")
+
+            async def then() -> None:
+                raise OSError("the work after the reply failed")
+
+            return 200, b"{}", then
+
+        server = LineServer(worker_end, handler)
+        server.start()
+        caller = Caller(agent_end)
+        try:
+            failed = await caller.assign(b"raise", 5.0)
+            assert failed.status == 500 and "a bug" in json.loads(failed.content)["error"]["message"]
+            assert (await caller.assign(b"ok", 5.0)).status == 200  # its then-task fails: logged
+            assert (await caller.assign(b"ok", 5.0)).status == 200 and calls == [b"raise", b"ok", b"ok"]
+        finally:
+            server.close()
+            caller.close()
 
     asyncio.run(scenario())
 

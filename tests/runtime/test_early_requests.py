@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
+from runtime.mesh.config import TokenSchedulingConfig
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler import launcher
 from tests.runtime.test_agent_workers import spec, wait_warm
@@ -215,8 +216,8 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             assert status == 200, body
             assert body["choices"][0]["text"] == expected
 
-            # A held stream's first output leaves the worker before the activation's reply
-            # (runtime.early_requests.Handover): the launch returns with it already sent.
+            # A held stream's first output is taken before the activation's reply goes
+            # (runtime.early_requests.Handover): the launch returns with its response begun.
             await wait_warm(agent, 1)
             await agent.stop("2", standby=True)
             await wait_standby(agent, 1)
@@ -225,7 +226,7 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             assert fourth.timings_ms["handover_wait_ms"] > 0
             assert streamed.sock is not None
             sent = streamed.sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            assert b"200 OK" in sent and b'data: {"id"' in sent, sent
+            assert b"200 OK" in sent, sent  # (its first output may hold no text yet: no chunk)
             rest = await streamed.rest()
             assert b"data: [DONE]" in rest and rest.endswith(b"\r\n0\r\n\r\n"), rest[-200:]  # (chunked)
 
@@ -237,6 +238,33 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             assert status == 503 and body["error"]["type"] == NOT_STARTED, body
             assert body["never_ran"] == "not-this-one"
             assert await complete(third.url, third.token) == expected
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_token_scheduled_start_replies_without_waiting_for_its_held_requests(tmp_path: Path) -> None:
+    """With the agent's token scheduler, a held request is admitted and stepped only once the
+    agent attached the instance, which it does on the assign's reply: the reply does not wait
+    for the request's first output (it waited out its whole bound, 0.5 s)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    source = str(tmp_path / "tiny.gguf")
+    tokens = TokenSchedulingConfig(enabled=True)
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", source, standby=0, tokens=tokens) as (
+            agent,
+            model,
+            device,
+        ):
+            await wait_warm(agent, 1)
+            early = EarlyRequest("1")
+            started = await agent.launch(
+                "1", spec("tiny", {"source": source}), model, device, time.time() + 120, early
+            )
+            assert "handover_wait_ms" not in started.timings_ms, started.timings_ms
+            status, body = await early.answer()
+            assert status == 200 and body["choices"][0]["text"], body
 
     asyncio.run(scenario())
 
