@@ -42,20 +42,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, StandbyMismatch, activate, assign, prepare
-from runtime.early_requests import (
-    INSTANCE_HEADER,
-    NEVER_RAN_HEADER,
-    NOT_STARTED,
-    Share,
-    release_at_first_output,
-)
+from runtime.early_requests import INSTANCE_HEADER, Share, release_at_first_output
 from runtime.engine.engine import Engine, HangUp
-from runtime.engine.scheduler import KVCacheExhausted, RequestFailed, SloUnattainable
-from runtime.errors import EmberRuntimeError, PoolLost, error_body, route_error
+from runtime.engine.scheduler import RequestFailed
+from runtime.errors import EmberRuntimeError, PoolLost, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, Prepared
@@ -69,6 +62,14 @@ from runtime.process import collection_paused
 from runtime.rehearsal import rehearse
 from runtime.sandbox import FunctionLayer, SandboxError
 from runtime.server_timing import ServerTiming
+from runtime.worker_answers import (
+    HangUpStreamingResponse,
+    bad_request,
+    error_answer,
+    failed_answer,
+    json_body,
+    never_ran,
+)
 from runtime.worker_guard import AUTHORIZED, GuardConfig, WorkerGuard
 from runtime.worker_state import WorkerState
 
@@ -88,64 +89,6 @@ class Ahead(NamedTuple):
     request: ChatRequest | CompletionRequest
     binding: ModelBinding | None  # None: not prepared (the instance prepares it)
     prepared: Prepared | None
-
-
-def _error(
-    status: int, kind: str, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    """Every error answer of the worker: OpenAI's error object (:func:`runtime.errors.error_body`)."""
-    return JSONResponse(error_body(kind, message, param, code), status_code=status)
-
-
-def _never_ran(instance_id: str, why: str) -> JSONResponse:
-    """503 :data:`NOT_STARTED`: a request for ``instance_id`` did not run here, and the gateway
-    may send it elsewhere (:data:`NEVER_RAN_HEADER`)."""
-    response = _error(503, NOT_STARTED, why)
-    response.headers[NEVER_RAN_HEADER] = instance_id
-    response.headers["Retry-After"] = "1"
-    return response
-
-
-def _bad_request(exc: RequestError) -> JSONResponse:
-    return _error(400, "invalid_request_error", str(exc), exc.param, exc.code)
-
-
-async def _json(raw: Request) -> Any:
-    """The request's JSON body, or a 400 response (invalid or too deeply nested JSON)."""
-    try:
-        return json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        return _error(400, "invalid_request_error", f"body is not valid JSON: {exc}")
-    except ValueError:  # int() refuses more digits than sys.get_int_max_str_digits()
-        digits = sys.get_int_max_str_digits()
-        return _error(
-            400, "invalid_request_error", f"body is not valid JSON: a number has more than {digits} digits"
-        )
-
-
-class HangUpStreamingResponse(StreamingResponse):
-    """A streamed response that stops its requests' sequences the moment the client hangs up.
-    Starlette notices the hang-up but may not stop iterating the body (the stream went on to
-    its end, 1,000 SmolLM2 tokens and ~10 s of both cores for nobody): ``hang_up`` aborts the
-    sequences and ends their streams instead."""
-
-    def __init__(self, content: AsyncIterator[bytes], hang_up: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._hang_up = hang_up
-
-    async def listen_for_disconnect(self, receive: Receive) -> None:
-        await super().listen_for_disconnect(receive)
-        self._hang_up()  # after a finished response too: its sequences are finished, a no-op
-
-
-def _failed(exc: RequestFailed) -> JSONResponse:
-    """No KV room, or no room within the SLO, is a 503 (retry later); an engine failure is a
-    500 (a bug, logged)."""
-    if isinstance(exc, KVCacheExhausted | SloUnattainable):
-        response = _error(503, exc.code, str(exc))
-        response.headers["Retry-After"] = "1"
-        return response
-    return _error(500, exc.code, str(exc))
 
 
 class Served(NamedTuple):
@@ -206,7 +149,7 @@ def build_app(state: WorkerState) -> FastAPI:
             message = PreloadMessage.from_json(await raw.body())
             await asyncio.to_thread(state.template, message.model_dir, True)
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
-            return _error(400, "preload_failed", f"{type(exc).__name__}: {exc}")
+            return error_answer(400, "preload_failed", f"{type(exc).__name__}: {exc}")
         return {"templates": sorted(state.templates)}
 
     @app.post("/_ember/threads")
@@ -218,7 +161,7 @@ def build_app(state: WorkerState) -> FastAPI:
         try:
             message = ThreadsMessage.from_json(await raw.body())
         except MessageError as exc:
-            return _error(400, "invalid_request_error", str(exc))
+            return error_answer(400, "invalid_request_error", str(exc))
         set_engine_threads(message.num_threads)  # this (event-loop) thread steps the engine
         return {"num_threads": torch.get_num_threads()}
 
@@ -302,22 +245,22 @@ def build_app(state: WorkerState) -> FastAPI:
     async def _assigning(step: Callable[[], Awaitable[Response]]) -> Response:
         """Run an assign or a standby's preparation, one at a time, its errors as JSON."""
         if state.assignment is not None or state.assigning:
-            return _error(409, "already_assigned", "this worker already serves a function")
+            return error_answer(409, "already_assigned", "this worker already serves a function")
         state.assigning, state.lost_while_assigning = True, False
         try:
             return await step()
         except (ConfinedElsewhere, StandbyMismatch) as exc:
-            return _error(409, exc.code, str(exc))
+            return error_answer(409, exc.code, str(exc))
         except SandboxError as exc:  # the function's layer could not be stacked: not its code's fault
-            return _error(500, exc.code, str(exc))
+            return error_answer(500, exc.code, str(exc))
         except PoolError as exc:  # the pool refused (no room, not resident) or went away
-            return _error(503, exc.code, f"the pool: {exc}")
+            return error_answer(503, exc.code, f"the pool: {exc}")
         except PoolLost as exc:
-            return _error(503, exc.code, str(exc))
+            return error_answer(503, exc.code, str(exc))
         except (KeyError, TypeError, ValueError, EmberRuntimeError, OSError) as exc:
-            return _error(400, "assign_failed", f"{type(exc).__name__}: {exc}")
+            return error_answer(400, "assign_failed", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the handler's own initializer failed: a function error
-            return _error(500, "function_init_failed", f"{type(exc).__name__}: {exc}")
+            return error_answer(500, "function_init_failed", f"{type(exc).__name__}: {exc}")
         finally:
             state.assigning = False
             state.early.ended()
@@ -333,7 +276,7 @@ def build_app(state: WorkerState) -> FastAPI:
             return _ended(released)  # its pool died (WorkerState.release): routed again
         if instance_id is None:
             if a is None:
-                return _error(409, "not_assigned", "this worker serves no function yet")
+                return error_answer(409, "not_assigned", "this worker serves no function yet")
             return Served(a, None)
         share = None
         if a is None:
@@ -343,11 +286,11 @@ def build_app(state: WorkerState) -> FastAPI:
             if share is not None:
                 share.release()
             why = f"instance {instance_id} did not start here; the request never ran"
-            return _never_ran(instance_id, why)
+            return never_ran(instance_id, why)
         return Served(a, share)
 
     def _ended(instance_id: str) -> JSONResponse:
-        return _never_ran(instance_id, f"instance {instance_id} ended with its pool; the request never ran")
+        return never_ran(instance_id, f"instance {instance_id} ended with its pool; the request never ran")
 
     async def ahead(raw: Request, chat: bool) -> Ahead | JSONResponse | None:
         """A request sent ahead of its instance's activation to a standby of the default
@@ -364,13 +307,13 @@ def build_app(state: WorkerState) -> FastAPI:
         if INSTANCE_HEADER not in raw.headers or not state.early.can_hold(deadline):
             return None
         with state.early.reading():  # counted as held (MAX_HELD) while it is prepared
-            body = await _json(raw)
+            body = await json_body(raw)
             if isinstance(body, JSONResponse):
                 return body
             try:
                 request = await parse_request_async(body, chat)
             except RequestError as exc:
-                return _bad_request(exc)
+                return bad_request(exc)
             binding = standby.binding
             try:
                 prepared = await binding.prepare_all(request)
@@ -402,7 +345,7 @@ def build_app(state: WorkerState) -> FastAPI:
         if early is not None:
             body = early.body
         elif body is None:
-            body = await _json(raw)
+            body = await json_body(raw)
             if isinstance(body, JSONResponse):
                 return body
         try:
@@ -413,12 +356,12 @@ def build_app(state: WorkerState) -> FastAPI:
                 request = early.request if early is not None else await parse_request_async(body, chat)
                 prepared = await a.binding.prepare_all(request)
         except RequestError as exc:
-            return _bad_request(exc)
+            return bad_request(exc)
         ids, params = prepared.ids, prepared.params
         try:  # the device's token scheduler admits it (runtime.mesh), before any byte is sent
             arrival = await a.binding.engine.admit(len(ids), request.n)
         except RequestFailed as exc:
-            return _failed(exc)
+            return failed_answer(exc)
         if state.assignment is not a:  # it ended with its pool meanwhile (WorkerState.release)
             return _ended(a.instance_id)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -463,7 +406,7 @@ def build_app(state: WorkerState) -> FastAPI:
         try:
             done = await collect(streams, ids, reporter)
         except RequestFailed as exc:
-            return _failed(exc)
+            return failed_answer(exc)
         body = completion_body(rid, a.name, chat, done, echo)
         return (
             tool_message(body, prepared.plan) if prepared.plan is not None and prepared.calls_tools else body
@@ -490,14 +433,14 @@ def build_app(state: WorkerState) -> FastAPI:
                 share.release()
 
     async def _invoke(raw: Request, a: Assignment, share: Share | None) -> Any:
-        event = await _json(raw)
+        event = await json_body(raw)
         if isinstance(event, JSONResponse):
             return event
         if state.assignment is not a:  # it ended with its pool meanwhile (WorkerState.release)
             return _ended(a.instance_id)
         if a.runner is None:  # the default handler: an event is a chat or a completion request
             if not isinstance(event, dict) or ("messages" in event) == ("prompt" in event):
-                return _error(
+                return error_answer(
                     400, "invalid_request_error", "the event needs exactly one of 'messages' or 'prompt'"
                 )
             return await openai(raw, chat="messages" in event, body=event, share=share)
@@ -506,12 +449,12 @@ def build_app(state: WorkerState) -> FastAPI:
         try:
             result = await a.runner.invoke(event, rid, deadline)
         except RequestError as exc:
-            return _bad_request(exc)
+            return bad_request(exc)
         except RequestFailed as exc:
-            return _failed(exc)
+            return failed_answer(exc)
         except Exception as exc:  # the function's own code failed
             a.runner.logger.exception("request %s failed", rid)
-            return _error(500, "function_error", f"{type(exc).__name__}: {exc}")
+            return error_answer(500, "function_error", f"{type(exc).__name__}: {exc}")
         if hasattr(result, "__aiter__"):
 
             async def events() -> AsyncIterator[bytes]:
