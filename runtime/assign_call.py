@@ -50,9 +50,10 @@ async def assign(
     body = message.to_json()
     try:
         resp = None
-        if worker.control is not None and fits(body.encode()):  # no HTTP on the start's path
+        data = body.encode()
+        if worker.control is not None and fits(data):  # no HTTP on the start's path
             with contextlib.suppress(LineTooSmall):  # (nothing delivered)
-                resp = await worker.control.assign(body.encode(), http.timeout_s)
+                resp = await worker.control.assign(data, http.timeout_s)
         if resp is None:
             resp = await http.post(worker, "assign", body)
     except WorkerUnreachable as exc:
