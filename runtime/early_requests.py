@@ -12,6 +12,12 @@ delivery stays at most once. Once an assign failed the worker is about to be end
 nothing more, and answers every such request so at once. Held requests are bounded in number
 (:data:`MAX_HELD`) and time (the request's deadline, at most :data:`MAX_HOLD_S`); one past
 either bound is answered :data:`NOT_STARTED` too.
+
+The requests an assign woke make up its :class:`Handover`: each holds a :class:`Share` of it
+until its first output has left the worker (or it ended without one). The assign's reply to
+the agent waits for them (at most :data:`HANDOVER_WAIT_S`): sent earlier, its sending and the
+agent's work on it (in the gateway's process, in embedded mode) ran on the cores while those
+requests waited for their first step, ~0.5 ms on a 2-core host.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # The same values as scheduler.launcher's (the runtime does not import the scheduler).
 INSTANCE_HEADER = "x-ember-instance-id"
@@ -30,6 +39,91 @@ NOT_STARTED = "not_started"
 MAX_HELD = 256
 # The longest a request waits for its instance's activation (s): the gateway's default timeout.
 MAX_HOLD_S = 300.0
+# The longest an assign's reply waits for the first outputs of the requests it woke (s): a
+# long prompt's first step may take seconds, and the agent records the instance ready only
+# on the reply (requests routed to it meanwhile are served all the same).
+HANDOVER_WAIT_S = 0.5
+
+
+class Handover:
+    """The requests one assign woke, until each has released its :class:`Share`."""
+
+    def __init__(self, num_requests: int) -> None:
+        if num_requests < 0:
+            raise ValueError("num_requests must be >= 0")
+        self.num_pending = num_requests
+        self._done = asyncio.Event()
+        if num_requests == 0:
+            self._done.set()
+
+    def share(self) -> Share:
+        """One woken request's share (each of the ``num_requests`` takes or releases one)."""
+        return Share(self)
+
+    def release_one(self) -> None:
+        """One woken request needs no waiting for (it ended, or its first output is out)."""
+        assert self.num_pending > 0, "more shares released than requests woken"
+        self.num_pending -= 1
+        if self.num_pending == 0:
+            self._done.set()
+
+    async def wait(self, timeout_s: float = HANDOVER_WAIT_S) -> float:
+        """Wait until every share is released, at most ``timeout_s``; returns the seconds waited."""
+        t0 = time.perf_counter()
+        if not self._done.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._done.wait()
+        return time.perf_counter() - t0
+
+
+class Share:
+    """A woken request's part of its :class:`Handover`; :meth:`release` is idempotent."""
+
+    __slots__ = ("_handover",)
+
+    def __init__(self, handover: Handover | None) -> None:
+        self._handover = handover
+
+    def transfer(self) -> Share:
+        """A new share with this one's part: this one releases nothing from now on."""
+        handover, self._handover = self._handover, None
+        return Share(handover)
+
+    def release(self) -> None:
+        handover, self._handover = self._handover, None
+        if handover is not None:
+            handover.release_one()
+
+
+def release_at_first_output(streams: list[AsyncIterator[T]], share: Share) -> list[AsyncIterator[T]]:
+    """``streams`` (one request's choices) releasing ``share`` once the first output of any
+    was taken (its consumer asks for the next: a stream's chunk of it is sent), or when they
+    end without one."""
+
+    async def releasing(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        try:
+            async for out in stream:
+                yield out
+                share.release()
+        finally:
+            share.release()
+            aclose = getattr(stream, "aclose", None)  # an engine stream ends its sequence on close
+            if aclose is not None:
+                await aclose()
+
+    return [releasing(stream) for stream in streams]
+
+
+class _Round:
+    """The requests waiting for one assign to end, and the handover its end made of them."""
+
+    __slots__ = ("ended", "handover", "num_waiting")
+
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+        self.num_waiting = 0
+        self.handover: Handover | None = None
 
 
 class EarlyRequests:
@@ -42,17 +136,20 @@ class EarlyRequests:
         self.max_hold_s = max_hold_s
         self.num_held = 0
         self.refusing = False  # an assign failed: nothing is held any more
-        self._ended = asyncio.Event()
+        self._round = _Round()
 
     def refuse(self) -> None:
         """An assign failed: this worker holds nothing from now on (the agent ends it). The
         requests it holds are woken by the :meth:`ended` that follows."""
         self.refusing = True
 
-    def ended(self) -> None:
-        """An assign (or a standby's preparation) ended, either way: wake every held request."""
-        self._ended.set()
-        self._ended = asyncio.Event()
+    def ended(self) -> Handover:
+        """An assign (or a standby's preparation) ended, either way: wake every held request.
+        Returns their :class:`Handover` (each woken request gets a share: :meth:`hold_share`)."""
+        woken, self._round = self._round, _Round()
+        woken.handover = Handover(woken.num_waiting)
+        woken.ended.set()
+        return woken.handover
 
     def can_hold(self, deadline: str | None) -> bool:
         """Whether :meth:`hold` would hold a request with ``deadline`` now."""
@@ -76,20 +173,39 @@ class EarlyRequests:
         return timeout_s if timeout_s > 0 else 0.0  # (NaN too)
 
     async def hold(self, deadline: str | None) -> bool:
-        """Wait for the next assign to end; False (at once) when :data:`MAX_HELD` requests are
-        held already or an assign failed, or when ``deadline`` (the request's
-        ``x-ember-deadline``, epoch seconds) or :data:`MAX_HOLD_S` passes first."""
-        if self.refusing or self.num_held >= self.max_held:
+        """:meth:`hold_share`, its share released at once: whether the next assign ended first."""
+        share = await self.hold_share(deadline)
+        if share is None:
             return False
+        share.release()
+        return True
+
+    async def hold_share(self, deadline: str | None) -> Share | None:
+        """Wait for the next assign to end, and return this request's share of its handover
+        (the caller releases it); None (at once) when :data:`MAX_HELD` requests are held
+        already or an assign failed, or when ``deadline`` (the request's ``x-ember-deadline``,
+        epoch seconds) or :data:`MAX_HOLD_S` passes first."""
+        if self.refusing or self.num_held >= self.max_held:
+            return None
         timeout_s = self._timeout_s(deadline)
         if not timeout_s > 0:
-            return False
+            return None
+        waiting = self._round
         self.num_held += 1
+        waiting.num_waiting += 1
+        woken = False
         try:  # (not wait_for: its extra task would cost the woken request two more loop turns)
             async with asyncio.timeout(timeout_s):
-                await self._ended.wait()
+                await waiting.ended.wait()
+            woken = True
         except TimeoutError:
-            return False
+            return None
         finally:
             self.num_held -= 1
-        return True
+            # Counted in the handover, but gone (timed out or cancelled as the assign ended).
+            if not woken and waiting.handover is not None:
+                waiting.handover.release_one()
+            elif not woken:
+                waiting.num_waiting -= 1
+        assert waiting.handover is not None  # set before the event
+        return waiting.handover.share()

@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, StandbyMismatch, activate, assign, prepare
-from runtime.early_requests import INSTANCE_HEADER
+from runtime.early_requests import INSTANCE_HEADER, Share, release_at_first_output
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import RequestFailed
 from runtime.errors import EmberRuntimeError, PoolLost, route_error
@@ -88,6 +89,14 @@ class Ahead(NamedTuple):
     request: ChatRequest | CompletionRequest
     binding: ModelBinding | None  # None: not prepared (the instance prepares it)
     prepared: Prepared | None
+
+
+class Served(NamedTuple):
+    """The instance a request is served by, and its share of the activation's handover (a
+    request the worker held: :mod:`runtime.early_requests`)."""
+
+    assignment: Assignment
+    share: Share | None
 
 
 async def _prefetch_kv(engine: Engine) -> None:
@@ -184,22 +193,30 @@ def build_app(state: WorkerState) -> FastAPI:
                 raise
             state.released = None
             state.schedule_tokens(message)
-            # The requests held for this activation go first (one loop turn): this reply is not
-            # on their path, only on the agent's way to recording the instance ready.
-            state.early.ended()
+            # The requests held for this assign go first: this reply is not on their path, only
+            # on the agent's way to recording the instance ready. For the default handler it
+            # waits for their first outputs (runtime.early_requests.Handover); a custom
+            # handler's requests are its own code's, of unknown length: one loop turn.
+            handover = state.early.ended()
             await asyncio.sleep(0)
-            # The KV blocks a first request would fetch from the pool (a round trip on its path,
+            a = state.assignment
+            # Not when the agent's token scheduler admits and steps it: the agent attaches this
+            # instance to its grants only on the reply, so its requests wait for it.
+            if a is not None and a.runner is None and a.binding.engine.gate is None:
+                waited_s = await handover.wait()
+                reply = replace(reply, timings_ms={**reply.timings_ms, "handover_wait_ms": waited_s * 1e3})
+                a = state.assignment
+            if a is None:  # its pool died meanwhile (WorkerState.release)
+                raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
+            # The KV blocks a next request would fetch from the pool (a round trip on its path,
             # ~0.5 ms) are fetched once this reply is out, while it travels to the gateway. Not
             # for a custom handler: it may never run the model, and would hold them for nothing.
-            a = state.assignment
-            if a is None:  # its pool died during that turn (WorkerState.release)
-                raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
             prefetch = BackgroundTask(_prefetch_kv, a.binding.engine) if a.runner is None else None
             return Response(reply.to_json(), media_type="application/json", background=prefetch)
 
-        # A standby's activation for the default handler is ~2 ms on a request's path: no
-        # collection meanwhile (a custom handler's initializer, the function's own code, may
-        # run for long).
+        # A standby's activation for the default handler is a few ms on a request's path: no
+        # collection until its reply (a custom handler's initializer, the function's own code,
+        # may run for long).
         standby = state.standby
         with collection_paused(standby is not None and standby.handler is None):
             return await _assigning(become)
@@ -248,9 +265,10 @@ def build_app(state: WorkerState) -> FastAPI:
             state.assigning = False
             state.early.ended()
 
-    async def serving(raw: Request) -> Assignment | JSONResponse:
+    async def serving(raw: Request) -> Served | JSONResponse:
         """The instance to serve ``raw`` with: a request sent before the activation of the
-        instance it names ended waits for it (:mod:`runtime.early_requests`)."""
+        instance it names ended waits for it (:mod:`runtime.early_requests`), and then holds
+        a share of the activation's handover (the caller releases it)."""
         a = state.assignment
         instance_id = raw.headers.get(INSTANCE_HEADER)
         released = state.released
@@ -259,13 +277,17 @@ def build_app(state: WorkerState) -> FastAPI:
         if instance_id is None:
             if a is None:
                 return error_answer(409, "not_assigned", "this worker serves no function yet")
-            return a
-        if a is None and await state.early.hold(raw.headers.get("x-ember-deadline")):
-            a = state.assignment
+            return Served(a, None)
+        share = None
+        if a is None:
+            share = await state.early.hold_share(raw.headers.get("x-ember-deadline"))
+            a = state.assignment if share is not None else None
         if a is None or a.instance_id != instance_id:
+            if share is not None:
+                share.release()
             why = f"instance {instance_id} did not start here; the request never ran"
             return never_ran(instance_id, why)
-        return a
+        return Served(a, share)
 
     def _ended(instance_id: str) -> JSONResponse:
         return never_ran(instance_id, f"instance {instance_id} ended with its pool; the request never ran")
@@ -301,13 +323,25 @@ def build_app(state: WorkerState) -> FastAPI:
                 return Ahead(body, request, None, None)
             return Ahead(body, request, binding, prepared)
 
-    async def openai(raw: Request, chat: bool, body: Any = None) -> Any:
+    async def openai(raw: Request, chat: bool, body: Any = None, share: Share | None = None) -> Any:
+        """A chat or completion request (``body``: its JSON read already, by ``/invoke``, which
+        hands on its ``share`` of an activation's handover)."""
         early = await ahead(raw, chat) if body is None else None
         if isinstance(early, JSONResponse):
             return early
-        a = await serving(raw)
-        if isinstance(a, JSONResponse):
-            return a
+        served = await serving(raw)
+        if isinstance(served, JSONResponse):
+            return served
+        share = share if share is not None else served.share
+        try:
+            return await _openai(raw, chat, body, early, served.assignment, share)
+        finally:
+            if share is not None:  # unless its streams took it (released at their first output)
+                share.release()
+
+    async def _openai(
+        raw: Request, chat: bool, body: Any, early: Ahead | None, a: Assignment, share: Share | None
+    ) -> Any:
         if early is not None:
             body = early.body
         elif body is None:
@@ -343,6 +377,8 @@ def build_app(state: WorkerState) -> FastAPI:
             hang_up if request.stream else None,
         )
         reporter = a.binding.reporter(params)
+        if share is not None:
+            streams = release_at_first_output(streams, share.transfer())
         if request.stream:
             if prepared.plan is not None and prepared.calls_tools:  # one choice (prepare_all)
                 chunks = tool_sse_chunks(
@@ -386,9 +422,17 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/invoke")
     async def invoke(raw: Request) -> Any:
-        a = await serving(raw)
-        if isinstance(a, JSONResponse):
-            return a
+        served = await serving(raw)
+        if isinstance(served, JSONResponse):
+            return served
+        a, share = served
+        try:
+            return await _invoke(raw, a, share)
+        finally:
+            if share is not None:  # unless the default handler's streams took it
+                share.release()
+
+    async def _invoke(raw: Request, a: Assignment, share: Share | None) -> Any:
         event = await json_body(raw)
         if isinstance(event, JSONResponse):
             return event
@@ -399,7 +443,7 @@ def build_app(state: WorkerState) -> FastAPI:
                 return error_answer(
                     400, "invalid_request_error", "the event needs exactly one of 'messages' or 'prompt'"
                 )
-            return await openai(raw, chat="messages" in event, body=event)
+            return await openai(raw, chat="messages" in event, body=event, share=share)
         rid = raw.headers.get("x-ember-request-id") or uuid.uuid4().hex
         deadline = float(raw.headers.get("x-ember-deadline") or time.time() + 300)
         try:

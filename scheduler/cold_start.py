@@ -275,7 +275,11 @@ class ColdStarter:
                     await self.report()
                 self._notify(name)
                 return
-            start_ms = (time.perf_counter() - t0) * 1e3
+            # Less the time its reply waited for the first outputs of the requests held for it
+            # (runtime.early_requests.Handover): it was serving them meanwhile.
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+            waited_ms = min(max(float(started.timings_ms.get("handover_wait_ms", 0.0)), 0.0), elapsed_ms)
+            start_ms = elapsed_ms - waited_ms
             try:
                 fields: dict[str, str | int | float] = {
                     "url": started.url, "token": started.token, "deadline": time.time() + keep_alive,

@@ -37,6 +37,14 @@ def test_worker_killed_mid_stream(server: ServeProcess, http: httpx.Client) -> N
         for line in lines:  # read until the first content arrives, then kill the worker
             if line.startswith("data: ") and '"content"' in line:
                 break
+        # Its record turns ready, with the worker's pid, once the activation's reply is in: the
+        # worker sends it after its first request's first output (runtime.early_requests.Handover),
+        # so a moment after the client has that output.
+        wait_for(
+            lambda: [i.get("pid") is not None for i in instances(http, "faulty")] == [True],
+            timeout=10,
+            interval=0.01,
+        )
         (victim,) = instances(http, "faulty")
         os.kill(int(victim["pid"]), signal.SIGKILL)
         events = [line[6:] for line in lines if line.startswith("data: ")]

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from runtime.early_requests import INSTANCE_HEADER, MAX_HELD, NEVER_RAN_HEADER, NOT_STARTED, EarlyRequests
+from runtime.mesh.config import TokenSchedulingConfig
 from runtime.worker_guard import TOKEN_HEADER
 from scheduler import launcher
 from tests.runtime.test_agent_workers import spec, wait_warm
@@ -89,6 +90,56 @@ def test_a_hold_ends_with_the_assign_or_at_its_bounds() -> None:
         EarlyRequests(max_hold_s=0.0)
 
 
+def test_the_requests_an_assign_woke_make_its_handover_until_each_releases_its_share() -> None:
+    async def scenario() -> None:
+        early = EarlyRequests(max_hold_s=5.0)
+        held = [asyncio.ensure_future(early.hold_share(None)) for _ in range(3)]
+        await asyncio.sleep(0)
+        handover = early.ended()
+        assert handover.num_pending == 3
+        first, second, third = [await h for h in held]
+        assert first is not None and second is not None and third is not None
+        # Released once each, however often: a share given on is released by its new holder.
+        first.release()
+        first.release()
+        given = second.transfer()
+        second.release()
+        assert handover.num_pending == 2
+        waiting = asyncio.ensure_future(handover.wait(5.0))
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        given.release()
+        third.release()
+        assert await waiting < 1.0 and handover.num_pending == 0
+        # Nobody woken: nothing to wait for.
+        assert await early.ended().wait(5.0) < 0.5
+        # A share never released: the wait ends at its bound.
+        late = asyncio.ensure_future(early.hold_share(None))
+        await asyncio.sleep(0)
+        stuck = early.ended()
+        assert await late is not None
+        assert 0.05 <= await stuck.wait(0.05) < 1.0 and stuck.num_pending == 1
+        # A request counted as the assign ended, but cancelled before it woke, releases its part;
+        # one that timed out before the end is not counted.
+        gone = asyncio.ensure_future(early.hold_share(None))
+        timed_out = asyncio.ensure_future(early.hold_share(f"{time.time() + 0.05:.3f}"))
+        await asyncio.sleep(0.2)
+        assert await timed_out is None
+        handover = early.ended()
+        assert handover.num_pending == 1
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert handover.num_pending == 0 and early.num_held == 0
+        # hold() (the bool form) releases its share at once.
+        plain = asyncio.ensure_future(early.hold(None))
+        await asyncio.sleep(0)
+        handover = early.ended()
+        assert await plain is True and handover.num_pending == 0
+
+    asyncio.run(scenario())
+
+
 class EarlyRequest:
     """A completion sent on a raw socket from ``on_target`` itself, so its bytes are in the
     worker's socket before the agent sends the assign (the worker is idle: it reads them first)."""
@@ -113,8 +164,8 @@ class EarlyRequest:
         )
         self.sock.sendall(head.encode() + self.body)
 
-    async def answer(self) -> tuple[int, dict[str, Any]]:
-        """The response's status and JSON body (its never-ran header as ``never_ran``)."""
+    async def rest(self) -> bytes:
+        """What is left of the response, read to its end (the connection closes)."""
         sock = self.sock
         assert sock is not None, "on_target was never told a worker"
 
@@ -125,7 +176,11 @@ class EarlyRequest:
             sock.close()
             return b"".join(chunks)
 
-        raw = await asyncio.to_thread(read)
+        return await asyncio.to_thread(read)
+
+    async def answer(self) -> tuple[int, dict[str, Any]]:
+        """The response's status and JSON body (its never-ran header as ``never_ran``)."""
+        raw = await self.rest()
         head, _, body = raw.partition(b"\r\n\r\n")
         lines = head.decode().split("\r\n")
         headers = dict(line.lower().split(": ", 1) for line in lines[1:])
@@ -161,6 +216,20 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             assert status == 200, body
             assert body["choices"][0]["text"] == expected
 
+            # A held stream's first output is taken before the activation's reply goes
+            # (runtime.early_requests.Handover): the launch returns with its response begun.
+            await wait_warm(agent, 1)
+            await agent.stop("2", standby=True)
+            await wait_standby(agent, 1)
+            streamed = EarlyRequest("4", body={**PROMPT, "stream": True})
+            fourth = await agent.launch("4", document, model, device, time.time() + 120, streamed)
+            assert fourth.timings_ms["handover_wait_ms"] > 0
+            assert streamed.sock is not None
+            sent = streamed.sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            assert b"200 OK" in sent, sent  # (its first output may hold no text yet: no chunk)
+            rest = await streamed.rest()
+            assert b"data: [DONE]" in rest and rest.endswith(b"\r\n0\r\n\r\n"), rest[-200:]  # (chunked)
+
             # A request that names another instance never runs here.
             await wait_warm(agent, 1)
             early = EarlyRequest("not-this-one")
@@ -169,6 +238,33 @@ def test_a_request_sent_before_the_activation_is_held_then_served(tmp_path: Path
             assert status == 503 and body["error"]["type"] == NOT_STARTED, body
             assert body["never_ran"] == "not-this-one"
             assert await complete(third.url, third.token) == expected
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_token_scheduled_start_replies_without_waiting_for_its_held_requests(tmp_path: Path) -> None:
+    """With the agent's token scheduler, a held request is admitted and stepped only once the
+    agent attached the instance, which it does on the assign's reply: the reply does not wait
+    for the request's first output (it waited out its whole bound, 0.5 s)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
+    source = str(tmp_path / "tiny.gguf")
+    tokens = TokenSchedulingConfig(enabled=True)
+
+    async def scenario() -> None:
+        async with started_agent(tmp_path / "home", source, standby=0, tokens=tokens) as (
+            agent,
+            model,
+            device,
+        ):
+            await wait_warm(agent, 1)
+            early = EarlyRequest("1")
+            started = await agent.launch(
+                "1", spec("tiny", {"source": source}), model, device, time.time() + 120, early
+            )
+            assert "handover_wait_ms" not in started.timings_ms, started.timings_ms
+            status, body = await early.answer()
+            assert status == 200 and body["choices"][0]["text"], body
 
     asyncio.run(scenario())
 
