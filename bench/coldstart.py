@@ -21,7 +21,10 @@ delta has non-empty ``content``. Measured in one run:
   instance it started, after the same idle gap. This host's speed drifts by 10-20 % over the
   minutes between the warm block and the cold one (a block's p50 moved from 33 to 39 ms between
   runs minutes apart); a pair is seconds apart. ``ratio_to_paired_warm_p50`` = cold p50 / paired
-  warm p50;
+  warm p50. Reported, not checked: per pair, the p50 of cold - paired warm
+  (``paired_gap_p50_ms``) and of cold / paired warm (``paired_ratio_p50``). A single request's
+  prefill takes 20-30 ms on this kind of host, cold or warm, so with 16 pairs either block's p50
+  moves by +-10 % between runs;
 * resident cold TTFT (scale from zero): K times, wait until keep-alive expiry has stopped the
   instance (its weights stay resident in the pool) and the pre-warmed workers are replenished,
   then one request. Each start is checked to have loaded 0 bytes and reused all weight bytes
@@ -545,6 +548,11 @@ def main() -> None:
             )
             cold["paired_warm_ttft_ms"] = paired
             cold["ratio_to_paired_warm_p50"] = round(cold["ttft_p50_ms"] / statistics.median(paired), 3)
+            # Per pair (reported, not checked): what a cold start adds to the warm request
+            # seconds after it, without the spread of either block's p50.
+            pairs = list(zip(cold["ttft_ms"], paired, strict=True))
+            cold["paired_gap_p50_ms"] = round(statistics.median(c - w for c, w in pairs), 2)
+            cold["paired_ratio_p50"] = round(statistics.median(c / w for c, w in pairs), 3)
             cold["metrics_bytes_loaded"] = sum(s["metrics_bytes_loaded"] for s in resident)
             cold["metrics_bytes_reused"] = sum(s["metrics_bytes_reused"] for s in resident)
             out["resident_cold"] = cold
