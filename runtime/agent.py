@@ -51,7 +51,7 @@ from runtime.assign_call import InitFailed, OnTarget, Undelivered, assign
 from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
-from runtime.errors import LaunchError
+from runtime.errors import InstanceLost, LaunchError
 from runtime.instance_grants import InstanceGrants
 from runtime.mesh.admission import instance_view
 from runtime.mesh.grant_server import DeviceGrants
@@ -336,7 +336,7 @@ class NodeAgent:
         failed (the worker is ended): the start goes on from a pre-warmed worker."""
         try:
             return worker, message, await self._assign(worker, message, start.on_target)
-        except InitFailed:  # the function's own initializer: it would fail on any worker
+        except (InitFailed, InstanceLost):  # its initializer would fail anywhere; it served, then died
             raise
         except LaunchError as exc:  # the ordinary start still can
             log.warning("%s failed, %s starts from a pre-warmed worker: %s", kind, start.instance_id, exc)

@@ -7,8 +7,9 @@ The worker that fails an assign is ended, whatever the failure: a half-assigned 
 trusted with nothing. The caller learns why from the error's class: :class:`Undelivered` (the
 connection failed before anything reached the worker: another worker may take the function),
 :class:`InitFailed` (the function's own initializer failed: it would fail on any worker),
-:class:`~runtime.errors.NoRoom` (the pool has no room for it) or a plain
-:class:`~runtime.errors.LaunchError`.
+:class:`~runtime.errors.NoRoom` (the pool has no room for it),
+:class:`~runtime.errors.InstanceLost` (it took the function and served the instance's first
+requests, then exited before its reply) or a plain :class:`~runtime.errors.LaunchError`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import contextlib
 from collections.abc import Callable
 
 from gpu_pool.errors import OutOfMemory
-from runtime.control_line import LineTooSmall, fits
-from runtime.errors import LaunchError, NoRoom
+from runtime.control_line import ExitedServing, LineTooSmall, fits
+from runtime.errors import InstanceLost, LaunchError, NoRoom
 from runtime.messages import AssignMessage, AssignReply, MessageError
 from runtime.worker_client import WorkerCallFailed, WorkerClient, WorkerUnreachable
 from runtime.worker_handle import WorkerHandle
@@ -59,6 +60,9 @@ async def assign(
     except WorkerUnreachable as exc:
         await worker.terminate(drain_s)
         raise Undelivered(str(exc)) from None
+    except ExitedServing as exc:  # it took the function and served: the instance died
+        await worker.terminate(drain_s)
+        raise InstanceLost(f"worker {worker.pid} exited while its instance served: {exc}") from None
     except WorkerCallFailed as exc:
         await worker.terminate(drain_s)
         raise LaunchError(f"worker {worker.pid} did not take the function: {exc}") from None

@@ -14,7 +14,11 @@ credential. Each call is one message each way, in this versioned encoding (netwo
 
 A request is :data:`KIND_ASSIGN` with status 0; its reply :data:`KIND_REPLY` with the call's
 id and the HTTP status the worker's ``/_ember/assign`` route would have answered, its body
-the same JSON. A reply whose id (random) is not the call's (one of a call given up on) is
+the same JSON. Before the reply, the worker may send :data:`KIND_SERVING` (the call's id,
+status 0, no body): the assign took, and the worker serves the instance's first requests
+while its reply waits for their first outputs (``runtime.early_requests.Handover``). A worker
+that exits after that, before its reply, ended as a serving instance, not as a failed start
+(:class:`ExitedServing`). A reply whose id (random) is not the call's (one of a call given up on) is
 dropped. A body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`), and so
 does one the line refuses whole (:class:`LineTooSmall`). The worker serves one
 message at a time, in order (an assign is one at a time anyway); a malformed one is answered
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import secrets
@@ -41,6 +46,7 @@ MAGIC = b"EMBc"
 VERSION = 1
 KIND_ASSIGN = 1
 KIND_REPLY = 2
+KIND_SERVING = 3
 HEADER = struct.Struct("!4sBBIH")  # magic, version, kind, call id, status
 # The largest body sent over the line (bytes): within a socket's default send buffer (one
 # message must fit it whole); an assign is a few KiB (its spec is bounded far below this).
@@ -73,7 +79,7 @@ def decode(raw: bytes) -> Message:
         raise ValueError("not a control message (bad magic)")
     if version != VERSION:
         raise ValueError(f"control message version {version}, this worker speaks {VERSION}")
-    if kind not in (KIND_ASSIGN, KIND_REPLY):
+    if kind not in (KIND_ASSIGN, KIND_REPLY, KIND_SERVING):
         raise ValueError(f"unknown control message kind {kind}")
     return Message(kind, call_id, status, raw[HEADER.size :])
 
@@ -81,6 +87,11 @@ def decode(raw: bytes) -> Message:
 def fits(body: bytes) -> bool:
     """Whether ``body`` can go over the line (else over HTTP)."""
     return len(body) <= MAX_BODY_BYTES
+
+
+class ExitedServing(WorkerCallFailed):
+    """The worker exited after it said it serves the call's instance (:data:`KIND_SERVING`),
+    before its reply: the instance started and then died."""
 
 
 class LineTooSmall(LaunchError):
@@ -112,7 +123,8 @@ class Caller:
         """Send an assign; the worker's reply. :class:`WorkerUnreachable` when nothing was
         delivered (the worker's end is closed), :class:`LineTooSmall` when the line cannot
         take the message, :class:`WorkerCallFailed` when no reply came within ``timeout_s``
-        (the wait for an earlier call and the send included) or the line broke after the send."""
+        (the wait for an earlier call and the send included) or the line broke after the send,
+        :class:`ExitedServing` when the worker exited after it said it serves."""
         loop = asyncio.get_running_loop()
         sent = False
         try:
@@ -129,17 +141,22 @@ class Caller:
                     raise WorkerUnreachable(f"the worker's control line: {exc}") from None
                 sent = True
                 self.num_calls += 1
+                serving = False
                 while True:
                     raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
+                    if not raw and serving:
+                        raise ExitedServing("the worker exited while it served its first requests")
                     if not raw:
                         raise WorkerCallFailed("the worker closed its control line (it exited)")
                     try:
                         reply = decode(raw)
                     except ValueError as exc:
                         raise WorkerCallFailed(f"a malformed control reply: {exc}") from None
-                    if reply.kind == KIND_REPLY and reply.call_id == call_id:
+                    if reply.call_id != call_id:
+                        continue  # a reply to a call given up on (its worker is ended by then)
+                    if reply.kind == KIND_REPLY:
                         return WorkerReply(reply.status, reply.body)
-                    # a reply to a call given up on (its worker is ended by then): dropped
+                    serving = serving or reply.kind == KIND_SERVING
         except TimeoutError:
             what = "no reply" if sent else "the line was not free"
             raise WorkerCallFailed(f"{what} on the control line within {timeout_s:g} s") from None
@@ -161,8 +178,11 @@ class Caller:
             self.sock.close()
 
 
-# What the worker does with an assign's body: (HTTP status, JSON reply body, then-task or None).
-AssignHandler = Callable[[bytes], Awaitable[tuple[int, bytes, Callable[[], Awaitable[None]] | None]]]
+# What the worker does with an assign's body, given a callable that sends KIND_SERVING for it:
+# (HTTP status, JSON reply body, then-task or None).
+AssignHandler = Callable[
+    [bytes, Callable[[], None]], Awaitable[tuple[int, bytes, Callable[[], Awaitable[None]] | None]]
+]
 
 
 class LineServer:
@@ -207,7 +227,9 @@ class LineServer:
                 log.warning("a malformed control message was dropped: %s", exc)
             return
         try:
-            status, body, then = await self.handler(message.body)
+            status, body, then = await self.handler(
+                message.body, functools.partial(self._serving, message.call_id)
+            )
         except Exception as exc:  # a bug: answered, logged, and the line serves on
             log.exception("an assign over the control line failed")
             status, body, then = 500, _error_body("internal_error", f"{type(exc).__name__}: {exc}"), None
@@ -217,6 +239,12 @@ class LineServer:
                 await then()
             except Exception:
                 log.exception("the work after an assign's reply failed")
+
+    def _serving(self, call_id: int) -> None:
+        """Tell the agent that the assign ``call_id`` took and its instance serves (one small
+        message, sent at once: a full buffer drops it, and the reply still follows)."""
+        with contextlib.suppress(OSError):
+            self.sock.send(encode(KIND_SERVING, call_id, 0, b""))
 
     async def _reply(self, call_id: int, status: int, body: bytes) -> None:
         if len(body) > MAX_BODY_BYTES:  # (a reply is a small document: never in practice)

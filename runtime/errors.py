@@ -45,6 +45,14 @@ class NoRoom(LaunchError):
     code = "no_room"
 
 
+class InstanceLost(LaunchError):
+    """The worker took the function and served its first requests, then exited before its
+    reply (the scheduler's ``INSTANCE_LOST``: an instance that died, not a failed start; the
+    waiting requests start another)."""
+
+    code = "instance_lost"
+
+
 def error_body(
     kind: str, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, object]:

@@ -165,9 +165,10 @@ def build_app(state: WorkerState) -> FastAPI:
         set_engine_threads(message.num_threads)  # this (event-loop) thread steps the engine
         return {"num_threads": torch.get_num_threads()}
 
-    async def assign_body(body: bytes) -> Response:
+    async def assign_body(body: bytes, serving: Callable[[], None] | None = None) -> Response:
         """An assign (its JSON ``body``), from ``/_ember/assign`` or the agent's control line
-        (:mod:`runtime.control_line`)."""
+        (:mod:`runtime.control_line`), which gives ``serving``: it tells the agent that the
+        assign took and the instance serves, before the reply."""
 
         async def become() -> Response:
             try:
@@ -200,9 +201,13 @@ def build_app(state: WorkerState) -> FastAPI:
             handover = state.early.ended()
             await asyncio.sleep(0)
             a = state.assignment
-            # Not when the agent's token scheduler admits and steps it: the agent attaches this
-            # instance to its grants only on the reply, so its requests wait for it.
-            if a is not None and a.runner is None and a.binding.engine.gate is None:
+            # Only over the control line, which tells the agent first that the instance serves
+            # (over HTTP, a worker that exits before its reply would be a failed start to it);
+            # and not when the agent's token scheduler admits and steps it: the agent attaches
+            # this instance to its grants only on the reply, so its requests wait for it.
+            if serving is not None and a is not None and a.runner is None and a.binding.engine.gate is None:
+                if handover.num_pending:
+                    serving()
                 waited_s = await handover.wait()
                 reply = replace(reply, timings_ms={**reply.timings_ms, "handover_wait_ms": waited_s * 1e3})
                 a = state.assignment
@@ -225,8 +230,10 @@ def build_app(state: WorkerState) -> FastAPI:
     async def assign_route(raw: Request) -> Any:
         return await assign_body(await raw.body())
 
-    async def assign_line(body: bytes) -> tuple[int, bytes, Callable[[], Awaitable[None]] | None]:
-        response = await assign_body(body)
+    async def assign_line(
+        body: bytes, serving: Callable[[], None]
+    ) -> tuple[int, bytes, Callable[[], Awaitable[None]] | None]:
+        response = await assign_body(body, serving)
         return response.status_code, bytes(response.body), response.background
 
     app.state.assign_line = assign_line  # serve() gives it to the control line

@@ -3,18 +3,20 @@
 :meth:`ColdStarter.place` picks a device with Tangram Alg. 2 / Eq. 3 over the devices' live
 residency (a device that has not reported yet counts as empty, of unknown size).
 :meth:`ColdStarter.start` launches an instance whose record the router created (state
-``starting``) and marks it ``ready`` with what the launch measured. A failed launch forgets
-the record and is remembered per function (:meth:`~ColdStarter.failure`): the requests waiting
-for it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. A
-launch the device had no room for (:data:`scheduler.launcher.NO_ROOM`: the placement read a
-report older than other starts' pins) is not the function's failure: the waiting requests
-place again on a fresh report, at once the first time. The pool can refuse again while the
-report says there is room (free space cut into pieces by pinned tensors and KV blocks, which
-never move): each refusal in a row doubles the pause before the next try
-(:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs a
-pre-warmed worker process. An instance deleted while it started is stopped; one that cannot
-be recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can
-route to. While a launch runs, the process it activates the instance in (``on_target`` of
+``starting``) and marks it ``ready`` with what the launch measured. A failed launch forgets the
+record and is remembered per function (:meth:`~ColdStarter.failure`): the requests waiting for
+it fail with its reason, and minScale waits ``start_backoff_s`` before trying again. A launch
+the device had no room for (:data:`scheduler.launcher.NO_ROOM`: the placement read a report
+older than other starts' pins) is not the function's failure: the waiting requests place again
+on a fresh report, at once the first time. Nor is a launch whose worker served the instance's
+first requests and then died before the activation's reply
+(:data:`scheduler.launcher.INSTANCE_LOST`): the waiting requests start another instance. The
+pool can refuse again while the report says there is room (free space cut into pieces by pinned
+tensors and KV blocks, which never move): each refusal in a row doubles the pause before the
+next try (:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs
+a pre-warmed worker process. An instance deleted while it started is stopped; one that cannot
+be recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can route
+to. While a launch runs, the process it activates the instance in (``on_target`` of
 :meth:`~scheduler.launcher.BaseLauncher.launch`) is an :class:`EarlyTarget` of the function
 (:meth:`~ColdStarter.targets`), until the launch ends either way.
 
@@ -38,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from scheduler.errors import SchedulerError, StartFailed, StateConflict
-from scheduler.launcher import NO_ROOM, BaseLauncher, StartedInstance
+from scheduler.launcher import INSTANCE_LOST, NO_ROOM, BaseLauncher, StartedInstance
 from scheduler.policies import DeviceState, ModelDemand, place
 from scheduler.records import DeviceReport, FunctionRecord
 from scheduler.state import ClusterState, on_loop
@@ -264,11 +266,17 @@ class ColdStarter:
                 finally:  # activated or failed: requests route to it through Redis now, or not at all
                     self.withdraw(name, instance_id)
             except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
-                no_room = getattr(exc, "code", None) == NO_ROOM
-                log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
-                if no_room:  # the device's state, not the function's fault; but see room_pause_s
+                code = getattr(exc, "code", None)
+                no_room = code == NO_ROOM
+                if code == INSTANCE_LOST:  # it served, then died: the waiting requests start another
+                    log.warning(
+                        "instance %s of %s died before it was recorded ready: %s", instance_id, name, exc
+                    )
+                elif no_room:  # the device's state, not the function's fault; but see room_pause_s
+                    log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
                     self._no_room[name] = (time.monotonic(), self._no_room.get(name, (0.0, 0))[1] + 1)
                 else:
+                    log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
                     self._failures[name] = (time.time(), str(exc))
                 await asyncio.to_thread(self.state.forget_from, name, instance_id, "starting")
                 if no_room:  # the placement read an old report: the waiting requests place again

@@ -13,6 +13,10 @@ from typing import Any, Protocol
 # The ``code`` of the exception a launch raises when the device's pool had no room for the
 # model next to what others pin (the scheduler places again instead of failing the function).
 NO_ROOM = "no_room"
+# The ``code`` of the exception a launch raises when its worker served the instance's first
+# requests, then exited before the activation's reply: the instance died, the function did not
+# fail to start (the waiting requests start another).
+INSTANCE_LOST = "instance_lost"
 # The error ``code`` of a worker's answer to a request sent to it before its activation ended
 # (see BaseLauncher.launch's ``on_target``) when that activation failed: the request never ran.
 NOT_STARTED = "not_started"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -66,6 +70,70 @@ def test_worker_killed_mid_stream(server: ServeProcess, http: httpx.Client) -> N
     # The dead worker's session is gone: one session for the live instance plus this observer.
     assert stats["sessions"] == 2
     assert http.delete("/v1/functions/faulty").status_code == 204
+
+
+def _serving_workers(root: int) -> list[int]:
+    """The pids of ``root``'s worker processes that are out of SCHED_IDLE: assigned ones (a
+    pre-warmed worker or a standby waits at idle priority)."""
+    found, todo = [], [root]
+    parents = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if entry.isdigit():
+                parents[int(entry)] = int(
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+    while todo:
+        parent = todo.pop()
+        for pid in (p for p, pp in parents.items() if pp == parent):
+            todo.append(pid)
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if (
+                    b"runtime" in argv
+                    and b"--parent-pid" in argv
+                    and os.sched_getscheduler(pid) != os.SCHED_IDLE
+                ):
+                    found.append(pid)
+    return found
+
+
+def test_worker_killed_during_first_step(server: ServeProcess, http: httpx.Client) -> None:
+    """A worker that dies while its instance's first request runs its first step, before the
+    activation's reply (which waits for that first output): the instance died, the function
+    did not fail to start. A request waiting for the function starts another instance."""
+    wait_for(lambda: not _serving_workers(server.proc.pid), timeout=30)  # other tests' instances gone
+    spec = chat_spec("racy", keep_alive="60s", max_scale=1, concurrency=1)
+    assert http.post("/v1/functions", json=spec).status_code == 201
+    words = " ".join(f"lighthouse{i % 50} keeper" for i in range(300))  # a first step of ~0.1-0.3 s
+    first = {**LONG, "model": "racy", "messages": [{"role": "user", "content": "Summarize: " + words}]}
+    second: dict[str, Any] = {}
+
+    def wait_in_line() -> None:  # concurrency 1, maxScale 1: it waits for the function's instance
+        short = {"model": "racy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=short, timeout=120)
+        second.update(status=answer.status_code, text=answer.text)
+
+    waiting = threading.Thread(target=wait_in_line)
+    with http.stream("POST", "/v1/chat/completions", json=first) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for line in lines:  # the role chunk: the first step runs now, the reply waits for it
+            if line.startswith("data: "):
+                break
+        waiting.start()
+        time.sleep(0.03)
+        assert [i["state"] for i in instances(http, "racy")] == ["starting"]  # not recorded ready yet
+        (victim,) = _serving_workers(server.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    errors = [e for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1 and json.loads(errors[0])["error"]["type"] == "instance_failed"
+    waiting.join(timeout=130)
+    assert second.get("status") == 200, second  # not a 503 "failed to start"
+    log = (server.home / "serve.log").read_text()
+    assert "died before it was recorded ready" in log
+    assert http.delete("/v1/functions/racy").status_code == 204
 
 
 def test_redis_restart_while_idle(tmp_path: Path, redis_server: EmbeddedRedis) -> None:

@@ -15,8 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import control_line
-from runtime.control_line import KIND_ASSIGN, KIND_REPLY, Caller, LineServer, decode, encode, new_pair
-from runtime.worker_client import WorkerCallFailed, WorkerUnreachable
+from runtime.control_line import (
+    KIND_ASSIGN,
+    KIND_REPLY,
+    KIND_SERVING,
+    Caller,
+    ExitedServing,
+    LineServer,
+    decode,
+    encode,
+    new_pair,
+)
+from runtime.worker_client import WorkerCallFailed, WorkerReply, WorkerUnreachable
 from tests.runtime.test_agent_workers import spec, wait_warm
 from tests.runtime.test_standby import complete, started_agent, wait_standby
 from tests.runtime.tiny_gguf import hf_weights, write_tiny_gguf
@@ -26,7 +36,7 @@ Then = Callable[[], Awaitable[None]] | None
 
 @settings(deadline=None)
 @given(
-    st.sampled_from([KIND_ASSIGN, KIND_REPLY]),
+    st.sampled_from([KIND_ASSIGN, KIND_REPLY, KIND_SERVING]),
     st.integers(0, 2**32 - 1),
     st.integers(0, 599),
     st.binary(max_size=2048),
@@ -56,7 +66,7 @@ def test_a_call_gets_the_workers_answer_and_the_then_task_runs_after_the_reply()
         agent_end, worker_end = new_pair()
         done: list[str] = []
 
-        async def handler(body: bytes) -> tuple[int, bytes, Then]:
+        async def handler(body: bytes, serving: Callable[[], None]) -> tuple[int, bytes, Then]:
             async def then() -> None:
                 done.append("then")
 
@@ -137,7 +147,7 @@ def test_a_failing_handler_is_answered_and_the_line_serves_on() -> None:
         agent_end, worker_end = new_pair()
         calls: list[bytes] = []
 
-        async def handler(body: bytes) -> tuple[int, bytes, Then]:
+        async def handler(body: bytes, serving: Callable[[], None]) -> tuple[int, bytes, Then]:
             calls.append(body)
             if body == b"raise":
                 raise RuntimeError("a bug")
@@ -158,6 +168,74 @@ def test_a_failing_handler_is_answered_and_the_line_serves_on() -> None:
         finally:
             server.close()
             caller.close()
+
+    asyncio.run(scenario())
+
+
+async def _call_in_flight(
+    caller: Caller, worker_end: socket.socket
+) -> tuple[asyncio.Future[WorkerReply], int]:
+    """An assign in flight on ``caller``'s line, and its id as ``worker_end`` received it."""
+    call = asyncio.ensure_future(caller.assign(b"{}", 5.0))
+    sent = decode(await asyncio.get_running_loop().run_in_executor(None, worker_end.recv, 65536))
+    return call, sent.call_id
+
+
+def test_a_worker_that_exits_after_it_said_it_serves_ended_serving() -> None:
+    async def scenario() -> None:
+        agent_end, worker_end = new_pair()
+        caller = Caller(agent_end)
+        # It says it serves, then replies: the reply is the call's answer.
+        call, call_id = await _call_in_flight(caller, worker_end)
+        worker_end.send(encode(KIND_SERVING, (call_id + 1) % 2**32, 0, b""))  # another call's
+        worker_end.send(encode(KIND_SERVING, call_id, 0, b""))
+        worker_end.send(encode(KIND_REPLY, call_id, 200, b"done"))
+        assert (await call).content == b"done"
+        # Another call's SERVING says nothing of this one: an exit is a failed call.
+        call, call_id = await _call_in_flight(caller, worker_end)
+        worker_end.send(encode(KIND_SERVING, (call_id + 1) % 2**32, 0, b""))
+        await asyncio.sleep(0.05)
+        worker_end.close()
+        with pytest.raises(WorkerCallFailed) as failed:
+            await call
+        assert not isinstance(failed.value, ExitedServing)
+        caller.close()
+        # It says it serves, then exits before its reply: it ended serving.
+        agent_end, worker_end = new_pair()
+        caller = Caller(agent_end)
+        call, call_id = await _call_in_flight(caller, worker_end)
+        worker_end.send(encode(KIND_SERVING, call_id, 0, b""))
+        await asyncio.sleep(0.05)
+        worker_end.close()
+        with pytest.raises(ExitedServing):
+            await call
+        caller.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_line_server_hands_its_handler_a_way_to_say_it_serves() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        agent_end, worker_end = new_pair()
+        agent_end.setblocking(False)
+
+        async def handler(body: bytes, serving: Callable[[], None]) -> tuple[int, bytes, Then]:
+            serving()
+            await asyncio.sleep(0.05)  # (the reply waits, as for the first outputs)
+            return 200, body, None
+
+        server = LineServer(worker_end, handler)
+        server.start()
+        try:
+            await loop.sock_sendall(agent_end, encode(KIND_ASSIGN, 5, 0, b"{}"))
+            first = decode(await loop.sock_recv(agent_end, 65536))
+            second = decode(await loop.sock_recv(agent_end, 65536))
+            assert (first.kind, first.call_id, first.body) == (KIND_SERVING, 5, b"")
+            assert (second.kind, second.call_id, second.status, second.body) == (KIND_REPLY, 5, 200, b"{}")
+        finally:
+            server.close()
+            agent_end.close()
 
     asyncio.run(scenario())
 
@@ -202,7 +280,7 @@ def test_the_worker_side_of_a_line_ends_when_the_agent_closes_its_end() -> None:
     async def scenario() -> None:
         agent_end, worker_end = new_pair()
 
-        async def handler(body: bytes) -> tuple[int, bytes, Then]:
+        async def handler(body: bytes, serving: Callable[[], None]) -> tuple[int, bytes, Then]:
             return 200, body, None
 
         server = LineServer(worker_end, handler)
