@@ -71,7 +71,7 @@ async def assign(
         raise
     if resp.status != 200:
         await worker.terminate(drain_s)
-        kinds = {FUNCTION_INIT_FAILED: InitFailed, OutOfMemory.code: NoRoom}
+        kinds = {FUNCTION_INIT_FAILED: InitFailed, OutOfMemory.code: NoRoom, InstanceLost.code: InstanceLost}
         kind = kinds.get(resp.error_type() or "", LaunchError)
         raise kind(f"worker refused the function: {resp.error_message()}")
     try:

@@ -43,7 +43,7 @@ from runtime.errors import LaunchError, error_body
 from runtime.worker_client import WorkerCallFailed, WorkerReply, WorkerUnreachable
 
 MAGIC = b"EMBc"
-VERSION = 1
+VERSION = 2  # 2: KIND_SERVING
 KIND_ASSIGN = 1
 KIND_REPLY = 2
 KIND_SERVING = 3
@@ -126,7 +126,7 @@ class Caller:
         (the wait for an earlier call and the send included) or the line broke after the send,
         :class:`ExitedServing` when the worker exited after it said it serves."""
         loop = asyncio.get_running_loop()
-        sent = False
+        sent = serving = False
         try:
             async with asyncio.timeout(timeout_s), self._lock:
                 if self._closing:
@@ -141,7 +141,6 @@ class Caller:
                     raise WorkerUnreachable(f"the worker's control line: {exc}") from None
                 sent = True
                 self.num_calls += 1
-                serving = False
                 while True:
                     raw = await loop.sock_recv(self.sock, MAX_MESSAGE_BYTES + 1)
                     if not raw and serving:
@@ -161,6 +160,8 @@ class Caller:
             what = "no reply" if sent else "the line was not free"
             raise WorkerCallFailed(f"{what} on the control line within {timeout_s:g} s") from None
         except OSError as exc:
+            if serving:  # (a close can read as a reset)
+                raise ExitedServing(f"the worker's control line broke while it served: {exc}") from None
             raise WorkerCallFailed(f"the worker's control line: {exc}") from None
         finally:
             self._in_flight = False

@@ -48,7 +48,7 @@ from runtime.assignment import Assignment, StandbyMismatch, activate, assign, pr
 from runtime.early_requests import INSTANCE_HEADER, Share, release_at_first_output
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import RequestFailed
-from runtime.errors import EmberRuntimeError, PoolLost, route_error
+from runtime.errors import EmberRuntimeError, InstanceLost, PoolLost, route_error
 from runtime.function_sandbox import ConfinedElsewhere, FunctionSandbox
 from runtime.http_server import HeaderLimits, server_config
 from runtime.instance import ModelBinding, Prepared
@@ -205,12 +205,17 @@ def build_app(state: WorkerState) -> FastAPI:
             # (over HTTP, a worker that exits before its reply would be a failed start to it);
             # and not when the agent's token scheduler admits and steps it: the agent attaches
             # this instance to its grants only on the reply, so its requests wait for it.
+            said_serving = False
             if serving is not None and a is not None and a.runner is None and a.binding.engine.gate is None:
                 if handover.num_pending:
                     serving()
+                    said_serving = True
                 waited_s = await handover.wait()
                 reply = replace(reply, timings_ms={**reply.timings_ms, "handover_wait_ms": waited_s * 1e3})
                 a = state.assignment
+            if a is None and said_serving:  # it served, then its pool died: the instance is lost
+                why = f"the pool daemon went away while instance {message.instance_id} served"
+                return error_answer(503, InstanceLost.code, why)
             if a is None:  # its pool died meanwhile (WorkerState.release)
                 raise PoolLost(f"the pool daemon went away while instance {message.instance_id} started")
             # The KV blocks a next request would fetch from the pool (a round trip on its path,

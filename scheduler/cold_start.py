@@ -10,12 +10,13 @@ the device had no room for (:data:`scheduler.launcher.NO_ROOM`: the placement re
 older than other starts' pins) is not the function's failure: the waiting requests place again
 on a fresh report, at once the first time. Nor is a launch whose worker served the instance's
 first requests and then died before the activation's reply
-(:data:`scheduler.launcher.INSTANCE_LOST`): the waiting requests start another instance. The
-pool can refuse again while the report says there is room (free space cut into pieces by pinned
-tensors and KV blocks, which never move): each refusal in a row doubles the pause before the
-next try (:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs
-a pre-warmed worker process. An instance deleted while it started is stopped; one that cannot
-be recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can route
+(:data:`scheduler.launcher.INSTANCE_LOST`): the waiting requests start another instance, until
+:data:`LOST_BEFORE_FAILURE` in a row, which count as a failed start. The pool can refuse again
+while the report says there is room (free space cut into pieces by pinned tensors and KV
+blocks, which never move): each refusal in a row doubles the pause before the next try
+(:meth:`~ColdStarter.room_pause_s`, up to ``start_backoff_s``), since every try costs a
+pre-warmed worker process. An instance deleted while it started is stopped; one that cannot be
+recorded ready (Redis away too long) is stopped too, so no worker runs that nobody can route
 to. While a launch runs, the process it activates the instance in (``on_target`` of
 :meth:`~scheduler.launcher.BaseLauncher.launch`) is an :class:`EarlyTarget` of the function
 (:meth:`~ColdStarter.targets`), until the launch ends either way.
@@ -49,6 +50,10 @@ log = logging.getLogger("ember.scheduler")
 
 DEFAULT_DISK_BANDWIDTH = 2e9  # bytes/s assumed for a device whose pool measured no load yet
 NO_ROOM_PAUSE_S = 0.25  # the pause after a second refusal for room in a row (doubling after)
+# Starts in a row whose instance died while it served its first requests (INSTANCE_LOST) before
+# one counts as the function's failure (a model that crashes every worker on its first step
+# would otherwise start one more worker per request, with no backoff).
+LOST_BEFORE_FAILURE = 3
 
 
 class EarlyTarget(NamedTuple):
@@ -97,6 +102,7 @@ class ColdStarter:
         self._failures: dict[str, tuple[float, str]] = {}  # name -> (epoch s, why) of its last failed start
         self._launching: set[str] = set()  # instance ids whose start this gateway is running
         self._no_room: dict[str, tuple[float, int]] = {}  # name -> (monotonic s, refusals in a row)
+        self._lost_in_a_row: dict[str, int] = {}  # name -> starts in a row whose instance died serving
         self._targets: dict[str, dict[str, EarlyTarget]] = {}  # name -> instance id -> its process
         # device -> serial of its latest start since a report of it last began (see report())
         self._unreported: dict[str, int] = {}
@@ -268,10 +274,17 @@ class ColdStarter:
             except Exception as exc:  # any failure: forget the instance, tell the waiting requests why
                 code = getattr(exc, "code", None)
                 no_room = code == NO_ROOM
-                if code == INSTANCE_LOST:  # it served, then died: the waiting requests start another
+                lost = self._lost_in_a_row.pop(name, 0) + 1 if code == INSTANCE_LOST else 0
+                if lost:
+                    self._lost_in_a_row[name] = lost
+                if 0 < lost < LOST_BEFORE_FAILURE:  # it served, then died: the waiting requests start another
                     log.warning(
                         "instance %s of %s died before it was recorded ready: %s", instance_id, name, exc
                     )
+                elif lost:  # each of its last starts died serving: a failure (backs off)
+                    log.warning("instance %s of %s died before it was recorded ready, %d in a row: %s",
+                                instance_id, name, lost, exc)  # fmt: skip
+                    self._failures[name] = (time.time(), f"{lost} instances in a row died serving: {exc}")
                 elif no_room:  # the device's state, not the function's fault; but see room_pause_s
                     log.warning("instance %s of %s failed to start: %s", instance_id, name, exc)
                     self._no_room[name] = (time.monotonic(), self._no_room.get(name, (0.0, 0))[1] + 1)
@@ -311,6 +324,7 @@ class ColdStarter:
                 return
             self._failures.pop(name, None)
             self._no_room.pop(name, None)
+            self._lost_in_a_row.pop(name, None)
             if claim is not None and not claim.done():  # (a launcher that names no process early)
                 claim.set_result(Claimed(EarlyTarget(instance_id, started.url, started.token), early=False))
             # The next placement must see this instance's pins: it publishes the report first (see

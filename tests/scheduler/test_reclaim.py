@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.cold_start import ColdStarter
-from scheduler.errors import Rejected
-from scheduler.launcher import NO_ROOM, OnTarget
+from scheduler.cold_start import LOST_BEFORE_FAILURE, ColdStarter
+from scheduler.errors import Rejected, StartFailed
+from scheduler.launcher import INSTANCE_LOST, NO_ROOM, OnTarget
 from scheduler.records import ModelRef
 from scheduler.router import Router, RouterConfig
 from scheduler.state import ClusterState
@@ -324,6 +324,53 @@ def test_a_pool_refusing_for_room_is_tried_with_growing_pauses(state: ClusterSta
 
     asyncio.run(min_scale())
     assert 3 <= launcher.launches <= 6, launcher.launches
+
+
+class DyingLauncher(BookkeepingLauncher):
+    """Every launch's worker serves, then dies before its activation's reply (the agent's
+    ``InstanceLost``), until ``dying`` is cleared."""
+
+    dying = True
+
+    async def launch(
+        self,
+        instance_id: str,
+        spec: dict[str, Any],
+        model: dict[str, Any],
+        device_id: str,
+        deadline: float,
+        on_target: OnTarget | None = None,
+    ) -> Started:
+        if self.dying:
+            self.launches += 1
+            raise DiedServing(f"the worker of {instance_id} exited while it served")
+        return await super().launch(instance_id, spec, model, device_id, deadline, on_target)
+
+
+class DiedServing(Exception):
+    code = INSTANCE_LOST
+
+
+def test_instances_dying_while_they_serve_start_others_until_a_few_in_a_row(state: ClusterState) -> None:
+    deploy(state, "f", 60)
+    launcher = DyingLauncher(state, capacity=100)
+
+    async def requests() -> None:
+        router = Router(state, launcher, RouterConfig())
+        await launcher.report()
+        # Not the function's failure: the waiting request starts another, until a few in a row.
+        with pytest.raises(StartFailed, match=f"{LOST_BEFORE_FAILURE} instances in a row died serving"):
+            await router.route("f", state.function("f"), time.time() + 30.0)
+        assert launcher.launches == LOST_BEFORE_FAILURE
+        assert state.instances("f") == []  # each record forgotten
+        # A start that succeeds clears the count: the next deaths start others again.
+        launcher.dying = False
+        route = await router.route("f", state.function("f"), time.time() + 30.0)
+        assert route.instance_id in launcher.running
+        assert router.starter.failure("f") is None
+        await router.close()
+
+    asyncio.run(requests())
 
 
 class CountingLauncher(BookkeepingLauncher):
