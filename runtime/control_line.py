@@ -12,17 +12,17 @@ credential. Each call is one message each way, in this versioned encoding (netwo
 
     magic b"EMBc" | version u8 | kind u8 | call id u32 | status u16 | body (JSON, runtime.messages)
 
-A request is :data:`KIND_ASSIGN` with status 0; its reply :data:`KIND_REPLY` with the call's
-id and the HTTP status the worker's ``/_ember/assign`` route would have answered, its body
-the same JSON. Before the reply, the worker may send :data:`KIND_SERVING` (the call's id,
-status 0, no body): the assign took, and the worker serves the instance's first requests
-while its reply waits for their first outputs (``runtime.early_requests.Handover``). A worker
-that exits after that, before its reply, ended as a serving instance, not as a failed start
-(:class:`ExitedServing`). A reply whose id (random) is not the call's (one of a call given up on) is
-dropped. A body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`), and so
-does one the line refuses whole (:class:`LineTooSmall`). The worker serves one
-message at a time, in order (an assign is one at a time anyway); a malformed one is answered
-400 when its id can be read, and dropped otherwise.
+A request is :data:`KIND_ASSIGN` with status 0; its reply :data:`KIND_REPLY` with the call's id
+and the HTTP status the worker's ``/_ember/assign`` route would have answered, its body the
+same JSON. Before the reply, the worker may send :data:`KIND_SERVING` (the call's id, status 0,
+no body): the assign took, and the worker serves the instance's first requests while its reply
+waits for their first outputs (``runtime.early_requests.Handover``). A worker that exits after
+that, before its reply, ended as a serving instance, not as a failed start
+(:class:`ExitedServing`). A reply whose id (random) is not the call's (one of a call given up
+on) is dropped. A body over :data:`MAX_BODY_BYTES` goes over HTTP instead (:func:`fits`), and
+so does one the line refuses whole (:class:`LineTooSmall`). The worker serves one message at a
+time, in order (an assign is one at a time anyway); a malformed one is answered 400 when its id
+can be read, and dropped otherwise.
 """
 
 from __future__ import annotations
