@@ -159,6 +159,7 @@ def build_embedded(config: ServeConfig, api_key: str | None) -> EmbeddedNode:
     )
     invoker = Invoker(state, router, metrics, ProxyConfig(request_timeout_s=config.request_timeout_s))
     agent.on_standby(invoker.preconnect)  # the request sent ahead of an activation finds a connection
+    router.on_records(invoker.records_read)  # a request after idle reads no record from Redis
     serving = Serving(
         _registrar(agent),
         router,

@@ -37,7 +37,9 @@ found its process dead) goes through one place, :meth:`Router.instance_lost`. Re
 steps are named methods: :meth:`~Router.release_pending`, :meth:`~Router.expire_idle`,
 :meth:`~Router.forget_dead`, :meth:`~Router.keep_min_scale`, :meth:`~Router.report_devices`.
 Function records arrive typed (:class:`scheduler.records.FunctionRecord`): keep-alive and
-scaling are parsed once.
+scaling are parsed once. Reconcile reads every record each tick anyway; :meth:`Router.on_records`
+hands them on (the gateway's invoker caches them: a request after idle then finds its
+function's record without a Redis round trip on its path).
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ from scheduler.policies import desired_instances, should_reject
 from scheduler.records import FunctionRecord, Instance
 from scheduler.state import ClusterState, on_loop
 
-__all__ = ["Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
+__all__ = ["OnRecords", "Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
 
 log = logging.getLogger("ember.scheduler")
+# Every function's record as one reconcile read it, and when that read began (monotonic s).
+OnRecords = Callable[[Mapping[str, FunctionRecord], float], None]
 _FAR_FUTURE_S = 1e9  # added to the clock: every idle instance is past its keep-alive then
 
 
@@ -159,6 +163,12 @@ class Router:
         self._last_report = 0.0
         self._reclaiming = asyncio.Lock()
         self._placing = asyncio.Lock()  # with a limit of instances per device
+        self._on_records: OnRecords | None = None
+
+    def on_records(self, callback: OnRecords) -> None:
+        """Tell ``callback(records, read_at)`` every function's record each time reconcile has
+        read them all (``read_at``: monotonic seconds before the read began)."""
+        self._on_records = callback
 
     # ----- routing --------------------------------------------------------------------------
 
@@ -452,7 +462,10 @@ class Router:
     async def reconcile(self, now: float | None = None) -> None:
         """One pass: expire idle instances, forget dead ones, keep minScale, report devices."""
         await self.release_pending()
+        read_at = time.monotonic()
         records = await asyncio.to_thread(self.state.functions)
+        if self._on_records is not None:
+            self._on_records(records, read_at)
         names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
         mine = sorted(self.launcher.devices())
         for name in sorted(names):
