@@ -99,7 +99,8 @@ class Invoker:
         self.metrics = metrics
         self.config = config
         self._records: dict[str, tuple[float, FunctionRecord]] = {}  # name -> (fetched at, record)
-        self._forgotten: dict[str, float] = {}  # name -> when forget() dropped it (monotonic s)
+        self._forgets = 0  # forget() calls so far
+        self._last_forget = -math.inf  # when forget() last ran (monotonic s)
         self._urls: dict[tuple[str, str], yarl.URL] = {}
         self._preconnecting: set[asyncio.Task[None]] = set()  # preconnect()'s GETs (kept referenced)
         self.http = aiohttp.ClientSession(
@@ -139,8 +140,13 @@ class Invoker:
         hit = self._records.get(name)
         if hit is not None and now - hit[0] < self.config.record_ttl_s:
             return hit[1]
+        forgets = self._forgets
         record = await on_loop(lambda retry: self.state.function(name, retry))
-        self._records[name] = (now, record)
+        # Not kept when a deploy or delete forgot a record meanwhile (a read in a thread, Redis
+        # being away, may predate it), nor over a newer read (records_read's).
+        cached = self._records.get(name)
+        if self._forgets == forgets and (cached is None or cached[0] < now):
+            self._records[name] = (now, record)
         return record
 
     def _url(self, base: str, path: str) -> yarl.URL:
@@ -156,7 +162,8 @@ class Invoker:
     def forget(self, name: str) -> None:
         """Drop a cached record (after a deploy or delete of ``name``)."""
         self._records.pop(name, None)
-        self._forgotten[name] = time.monotonic()
+        self._forgets += 1
+        self._last_forget = time.monotonic()
 
     def records_read(self, records: Mapping[str, FunctionRecord], read_at: float) -> None:
         """Every function's record as the scheduler's reconcile read them (``read_at``:
@@ -164,20 +171,19 @@ class Invoker:
         cached as if this gateway had fetched them then. A request after more than
         ``record_ttl_s`` of idle then takes its function's record without a Redis round trip
         on its path (the first call after idle, ~0.2-0.4 ms on a 2-core host, waking Redis). A
-        record that a deploy or delete on this gateway forgot after ``read_at`` is not taken
-        (the read may predate that change), and one missing from the read is dropped: deleted
-        by another gateway."""
+        read that began before a deploy or delete on this gateway forgot a record is not taken
+        at all (it may predate that change; the next read is), a record fetched after the
+        read began is kept, and one missing from the read is dropped: deleted by another
+        gateway."""
+        if self._last_forget >= read_at:
+            return
         for name, record in records.items():
-            if self._forgotten.get(name, -math.inf) >= read_at:
-                continue
             cached = self._records.get(name)
             if cached is None or cached[0] < read_at:
                 self._records[name] = (read_at, record)
         gone = [name for name, (at, _) in self._records.items() if name not in records and at < read_at]
         for name in gone:
             del self._records[name]
-        # A forget before this read matters to no later read (each begins after this one).
-        self._forgotten = {name: at for name, at in self._forgotten.items() if at >= read_at}
 
     def deadline(self, timeout_header: str | None) -> float:
         timeout = self.config.request_timeout_s

@@ -465,7 +465,10 @@ class Router:
         read_at = time.monotonic()
         records = await asyncio.to_thread(self.state.functions)
         if self._on_records is not None:
-            self._on_records(records, read_at)
+            try:  # the gateway's cache: its failure must not stop expiry, health checks, minScale
+                self._on_records(records, read_at)
+            except Exception:
+                log.exception("handing the function records on failed")
         names = set(records) | set(await asyncio.to_thread(self.state.functions_with_instances))
         mine = sorted(self.launcher.devices())
         for name in sorted(names):

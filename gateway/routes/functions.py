@@ -96,6 +96,8 @@ def function_routes(
                 await asyncio.to_thread(deployments.apply, record)
             except Exception:  # a deploy whose Service could not be applied changes nothing
                 await asyncio.to_thread(_restore, state, function_id, previous)
+                if serving is not None:  # a request meanwhile may have cached the record undone
+                    serving.invoker.forget(function_id)
                 raise
         if serving is not None:
             serving.invoker.forget(function_id)
