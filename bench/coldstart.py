@@ -35,8 +35,10 @@ delta has non-empty ``content``. Measured in one run:
   moved by ~4 ms between runs of the same code;
 * resident cold TTFT (scale from zero): K times, wait until keep-alive expiry has stopped the
   instance (its weights stay resident in the pool) and the pre-warmed workers are replenished,
-  then one request. Each start is checked to have loaded 0 bytes and reused all weight bytes
-  (instance record and ``/metrics``). ``overhead_ms_p50`` = cold p50 - warm p50;
+  then :data:`COLD_IDLE_S` of quiet and one request. Each start is checked to have loaded 0
+  bytes and reused all weight bytes (instance record and ``/metrics``). ``overhead_ms_p50`` =
+  cold p50 - warm p50. ``standby_idle_s_p50``: how long the standby each cold request
+  activated had idled since it was ready (serve.log), against the warm requests' 1.2 s;
 * cold TTFT with the pool emptied: K' times, the same but with every inactive tensor evicted
   from the pool first, so the start loads the weights from the model store;
 * baseline without Ember (:func:`bench.baseline_transformers.measure`): a fresh Python process,
@@ -235,12 +237,18 @@ class Bench:
         return quiet(self.cluster()["devices"].values(), prewarm)
 
     def wait_scaled_to_zero(self, prewarm: int) -> None:
-        """No instance left, the pre-warmed pool replenished, then a short quiet period (device
-        reports are up to a second old: checked again after it)."""
+        """No instance left, the pre-warmed pool replenished, then :data:`COLD_IDLE_S` of quiet
+        (device reports are up to a second old: checked again after it, and waited for again,
+        the whole pause too, when the node turned out busy)."""
         self.wait("the instance to expire", lambda: not self.instances())
-        self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
-        time.sleep(COLD_IDLE_S)
-        self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
+        give_up = time.monotonic() + WAIT_S
+        while True:
+            self.wait(f"{prewarm} pre-warmed workers, none starting", lambda: self.quiet(prewarm))
+            time.sleep(COLD_IDLE_S)
+            if self.quiet(prewarm):
+                return
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"the node never stayed quiet for {COLD_IDLE_S} s; {self.diagnosis()}")
 
     def warm_after_idle(self, n: int, gap_s: float) -> dict[str, Any]:
         """``n`` requests to the warm instance, each after ``gap_s`` of idle and, like a cold
@@ -269,11 +277,27 @@ class Bench:
             "ttft_ms": [round(t, 2) for t in ttft],
         }
 
+    def standby_idle_s(self, pid: int, sent: float) -> float | None:
+        """Seconds from the moment the standby in worker ``pid`` was ready (serve.log's line,
+        ms resolution, the host's local time) to ``sent`` (epoch s): how long the process a
+        cold request activates had been idle. None: no such line (not started from a standby)."""
+        if self.log_path is None or not pid:
+            return None
+        ready = None
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if f" in worker {pid}: " in line and " standby for " in line:
+                ready = line[:23]  # "2026-11-29 20:13:36,721"
+        if ready is None:
+            return None
+        at = time.mktime(time.strptime(ready[:19], "%Y-%m-%d %H:%M:%S")) + int(ready[20:23]) / 1e3
+        return round(sent - at, 3)
+
     # ----- one cold start --------------------------------------------------------------------------
 
     def cold_start(self, seen: set[str]) -> dict[str, Any]:
         """One request to a function scaled to zero; what the client, gateway and worker measured."""
         before = self.metrics()
+        sent = time.time()
         s = self.stream_chat()
         after = self.metrics()
         instances = [i for i in self.instances() if i["id"] not in seen]
@@ -290,6 +314,7 @@ class Bench:
         first_byte_ms = delta("ember_ttft_seconds_sum") * 1e3
         return {
             "instance_id": str(inst["id"]),
+            "standby_idle_s": self.standby_idle_s(int(inst.get("pid") or 0), sent),
             "ttft_ms": ms(s.ttft_s),
             "total_ms": ms(s.total_s),
             "text": s.text,
@@ -589,6 +614,8 @@ def main() -> None:
                 "paired_gap_p50_ms": round(statistics.median(c - w for c, w in pairs_short), 2),
                 "paired_ratio_p50": round(statistics.median(c / w for c, w in pairs_short), 3),
             }
+            idle = [s["standby_idle_s"] for s in resident if s["standby_idle_s"] is not None]
+            cold["standby_idle_s_p50"] = round(statistics.median(idle), 3) if idle else None
             cold["metrics_bytes_loaded"] = sum(s["metrics_bytes_loaded"] for s in resident)
             cold["metrics_bytes_reused"] = sum(s["metrics_bytes_reused"] for s in resident)
             out["resident_cold"] = cold

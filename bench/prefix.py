@@ -11,7 +11,7 @@ user question. Measured in one run, two ways:
   first token (publishing to the pool runs after it, as in serving). A resident cold start = a
   new pool session + bind + TTFT, the previous instance's session closed (it ended);
 * ``--serve``: the same through ``ember serve`` (as :mod:`bench.coldstart`: pre-warmed workers,
-  ``keepAlive: 1s``, ``maxScale: 1``), TTFT from sending the streamed request to the first SSE
+  ``keepAlive: 3s``, ``maxScale: 1``), TTFT from sending the streamed request to the first SSE
   chunk with content, ``cached_tokens`` from the stream's usage. Needs an idle machine: on a
   loaded one the pre-warmed workers (SCHED_IDLE) never finish starting.
 
