@@ -99,8 +99,9 @@ REPLENISH_PAUSE_S = 0.5  # idle between warm-up requests, < KEEP_ALIVE
 ISOLATED_GAP_S = 0.3  # > the router's slot lease (0.25 s), < KEEP_ALIVE
 SHORT_WARM_GAP_S = 0.7  # the warm-after-idle gap of earlier runs (short_gap: reported, not checked)
 SETTLE_S = 0.5  # quiet time after the pre-warmed workers are replenished, before a cold request
-# The idle every cold request follows (wait_scaled_to_zero's last sleep, then one /v1/cluster
-# read), and so every warm-after-idle request too: the same idle on both sides of the ratio.
+# The idle every cold request follows (wait_scaled_to_zero's last sleep, then the /v1/cluster
+# and /metrics reads), and so every warm-after-idle request too: the same idle on both sides
+# of the ratio (the standby a cold request activates idled longer: standby_idle_s_p50).
 COLD_IDLE_S = max(SETTLE_S, REPORT_AGE_S)
 WAIT_S = 180.0  # limit of every wait for the cluster to reach a state
 BREAKDOWN = {
