@@ -58,6 +58,9 @@ class BookkeepingLauncher:
         self.reports = 0
         self.stopped: list[str] = []
         self.held_launches: dict[str, asyncio.Event] = {}  # model id -> released when set
+        # Every launch's worker serves, then dies before its activation's reply (the agent's
+        # InstanceLost), while set.
+        self.dying = False
         self.held_report: asyncio.Event | None = None
         self.report_read = asyncio.Event()
 
@@ -89,6 +92,9 @@ class BookkeepingLauncher:
         deadline: float,
         on_target: OnTarget | None = None,
     ) -> Started:
+        if self.dying:
+            self.launches += 1
+            raise DiedServing(f"the worker of {instance_id} exited while it served")
         held = self.held_launches.get(model["id"])
         if held is not None:
             await held.wait()
@@ -326,34 +332,14 @@ def test_a_pool_refusing_for_room_is_tried_with_growing_pauses(state: ClusterSta
     assert 3 <= launcher.launches <= 6, launcher.launches
 
 
-class DyingLauncher(BookkeepingLauncher):
-    """Every launch's worker serves, then dies before its activation's reply (the agent's
-    ``InstanceLost``), until ``dying`` is cleared."""
-
-    dying = True
-
-    async def launch(
-        self,
-        instance_id: str,
-        spec: dict[str, Any],
-        model: dict[str, Any],
-        device_id: str,
-        deadline: float,
-        on_target: OnTarget | None = None,
-    ) -> Started:
-        if self.dying:
-            self.launches += 1
-            raise DiedServing(f"the worker of {instance_id} exited while it served")
-        return await super().launch(instance_id, spec, model, device_id, deadline, on_target)
-
-
 class DiedServing(Exception):
     code = INSTANCE_LOST
 
 
 def test_instances_dying_while_they_serve_start_others_until_a_few_in_a_row(state: ClusterState) -> None:
     deploy(state, "f", 60)
-    launcher = DyingLauncher(state, capacity=100)
+    launcher = BookkeepingLauncher(state, capacity=100)
+    launcher.dying = True
 
     async def requests() -> None:
         router = Router(state, launcher, RouterConfig())
