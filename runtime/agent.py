@@ -6,7 +6,8 @@ pre-warmed worker its function (``/_ember/assign``) and starts a replacement in 
 background, so no cold start pays for a process start or an import. Stopping an instance
 sends SIGTERM: the worker drains, releases its tensors (they stay resident) and exits; one
 that idled out leaves a standby (:mod:`runtime.standby_pool`), which the function's next start
-activates instead of assigning a pre-warmed worker. Pool
+activates instead of assigning a pre-warmed worker, spread over the cores while it activates
+(:mod:`runtime.core_spread`). Pool
 stats are reported through ``report`` (the scheduler's device record). The agent satisfies
 :class:`scheduler.launcher.BaseLauncher` structurally; it imports nothing from the scheduler.
 
@@ -48,6 +49,7 @@ from gpu_pool.acquire_report import AcquireReport
 from gpu_pool.errors import PoolError
 from runtime.agent_config import AgentConfig
 from runtime.assign_call import InitFailed, OnTarget, Undelivered, assign
+from runtime.core_spread import SPREAD_S, spread
 from runtime.cpu_share import CpuShare
 from runtime.device_pools import DevicePools
 from runtime.device_report import device_record, read_stats
@@ -314,7 +316,14 @@ class NodeAgent:
             dict(start.model.get("adapters") or {}),
         )
         boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
-        return await self._assign_or_fall_back(worker, message, start, "standby")
+        pool = self.pools.get(start.device)
+        pins = spread(worker.proc.pid, pool.proc.pid if pool is not None else None)
+        undo = asyncio.get_running_loop().call_later(SPREAD_S, pins.restore)
+        try:
+            return await self._assign_or_fall_back(worker, message, start, "standby")
+        finally:
+            undo.cancel()
+            pins.restore(worker_gone=not worker.running)
 
     async def _from_survivor(self, start: _Start) -> tuple[WorkerHandle, AssignMessage, AssignReply] | None:
         """Assign the function again to a worker whose instance of it ended with its pool

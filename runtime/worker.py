@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, StandbyMismatch, activate, assign, prepare
+from runtime.core_spread import unpin
 from runtime.early_requests import INSTANCE_HEADER, Share, release_at_first_output
 from runtime.engine.engine import Engine, HangUp
 from runtime.engine.scheduler import RequestFailed
@@ -171,6 +172,7 @@ def build_app(state: WorkerState) -> FastAPI:
         assign took and the instance serves, before the reply."""
 
         async def become() -> Response:
+            unpin(state.cores)  # a standby's main thread, pinned while its assign woke it
             try:
                 message = AssignMessage.from_json(body)
                 standby, state.standby = state.standby, None

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpu_pool.errors import PoolError
 from runtime.assignment import Assignment, Standby, pool_lost
+from runtime.core_spread import own_cores
 from runtime.early_requests import EarlyRequests
 from runtime.function_sandbox import FunctionSandbox
 from runtime.instance import ModelTemplate, load_template, warm_up
@@ -53,6 +54,8 @@ class WorkerState:
     lost_while_assigning: bool = False  # the pool died during the current assign or preparation
     exiting: bool = False  # its pool dropped its session: it drains and exits
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving (set by serve)
+    # The cores its main thread may use, as it started (runtime.core_spread: an activation pins it).
+    cores: frozenset[int] | None = field(default_factory=own_cores)
 
     def schedule_tokens(self, message: AssignMessage) -> None:
         """Let the agent's token scheduler grant this instance's iterations, when it asks to."""

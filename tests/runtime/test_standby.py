@@ -22,6 +22,7 @@ import pytest
 from gpu_pool.client import PoolClient
 from runtime.agent import LaunchError, NodeAgent
 from runtime.assignment import Standby, StandbyMismatch, activate, prepare
+from runtime.core_spread import SPREAD_S
 from runtime.engine.sampling import SamplingParams
 from runtime.instance import bind, bind_at, load_template
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
@@ -150,8 +151,23 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             assert (await agent.report())[device]["bytes_reused"] == reused
             await wait_warm(agent, 1)
             (standby_pid,) = agent._standbys.pids()
-            third = await agent.launch("3", document, model, device, time.time() + 120)
+            pool_pid = agent.pools["cpu"].proc.pid
+            cores = os.sched_getaffinity(0)
+            spread: list[set[int]] = []  # (the standby's, the pool's masks as the assign goes out)
+
+            def on_target(url: str, token: str) -> None:
+                spread.extend((os.sched_getaffinity(standby_pid), os.sched_getaffinity(pool_pid)))
+
+            third = await agent.launch("3", document, model, device, time.time() + 120, on_target)
             assert third.pid == standby_pid and "activate_ms" in third.timings_ms
+            # Spread over the cores while it activated (runtime.core_spread), every thread put
+            # back after.
+            if len(cores) > 1:
+                assert len(spread[1]) == 1 and spread[0] == cores - spread[1]
+            await asyncio.sleep(SPREAD_S)
+            for pid in (standby_pid, pool_pid):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    assert os.sched_getaffinity(int(tid)) == cores, (pid, tid)
             assert third.bytes_loaded == 0 and third.bytes_reused == first.bytes_loaded > 0
             assert (await agent.report())[device]["standby_workers"] == 0
             assert await complete(third.url, third.token) == expected

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from scheduler.cold_start import LOST_BEFORE_FAILURE, ColdStarter
-from scheduler.errors import Rejected, StartFailed
+from scheduler.errors import Rejected, StartFailed, StateUnavailable
 from scheduler.launcher import INSTANCE_LOST, NO_ROOM, OnTarget
 from scheduler.records import ModelRef
 from scheduler.router import Router, RouterConfig
@@ -62,6 +62,7 @@ class BookkeepingLauncher:
         # InstanceLost), while set.
         self.dying = False
         self.held_report: asyncio.Event | None = None
+        self.fail_report = False  # every report raises once it published the books
         self.report_read = asyncio.Event()
 
     def devices(self) -> list[str]:
@@ -138,6 +139,8 @@ class BookkeepingLauncher:
             self.report_read.set()
             await held.wait()
         self.state.report_device(DEVICE, record)
+        if self.fail_report:  # (as a node agent whose next device's report failed)
+            raise StateUnavailable("the report of another device failed")
         return {DEVICE: record}
 
     def adopt(self, name: str, busy: bool = False, kv: int = 0) -> str:
@@ -258,6 +261,44 @@ def test_a_start_leaves_its_report_to_the_next_placement(state: ClusterState) ->
     # Had g's placement read the report from before f started (f resident, unpinned), the pool
     # would have refused g's first start for room.
     assert launcher.launches == 2 and launcher.reports > 1
+
+
+def test_placement_reads_what_its_launcher_published_and_redis_for_a_device_it_left_out(
+    state: ClusterState,
+) -> None:
+    """The reports this gateway's launcher published last are what Redis holds (it is their
+    only publisher): a placement takes them without a round trip. A device the last report
+    left out (its pool down) is read from Redis, and so is every device while a report runs."""
+    launcher = BookkeepingLauncher(state, capacity=100)
+
+    async def scenario() -> None:
+        starter = Router(state, launcher, RouterConfig()).starter
+        await starter.report()
+        # (Nothing but this test writes behind the launcher's back: it shows where the read went.)
+        state.report_device(DEVICE, {**launcher.record(), "free_bytes": 7})
+        assert (await starter._reports())[DEVICE].free_bytes == 100
+        launcher.held_report = held = asyncio.Event()
+        reporting = asyncio.create_task(starter.report())
+        await launcher.report_read.wait()
+        assert (await starter._reports())[DEVICE].free_bytes == 7  # mid-report: Redis
+        held.set()
+        await reporting
+        assert (await starter._reports())[DEVICE].free_bytes == 100
+        launcher.fail_report = True  # a report that failed half way: what it published is not known
+        with pytest.raises(StateUnavailable):
+            await starter.report()
+        state.report_device(DEVICE, {**launcher.record(), "free_bytes": 7})
+        assert (await starter._reports())[DEVICE].free_bytes == 7
+        launcher.fail_report = False
+        await starter.report()
+        assert (await starter._reports())[DEVICE].free_bytes == 100
+        launcher.devices = lambda: [DEVICE, "n/gpu0"]  # type: ignore[method-assign]
+        state.report_device("n/gpu0", {"free_bytes": 5})
+        state.report_device(DEVICE, {**launcher.record(), "free_bytes": 7})
+        reports = await starter._reports()  # one read of both
+        assert reports[DEVICE].free_bytes == 7 and reports["n/gpu0"].free_bytes == 5
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("second_placement", [False, True])
