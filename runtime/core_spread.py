@@ -32,6 +32,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 
 @functools.cache
@@ -95,12 +96,18 @@ def unpin(cores: frozenset[int] | None) -> None:
             os.sched_setaffinity(0, cores)
 
 
+class _Pin(NamedTuple):
+    pid: int
+    pinned: set[int]  # the mask it got
+    restore_to: set[int]
+    of_worker: bool
+
+
 class Spread:
     """The pins of one activation (see :func:`spread`), until :meth:`restore`."""
 
     def __init__(self) -> None:
-        # (pid, pinned mask, mask to restore, the worker's?)
-        self._pinned: list[tuple[int, set[int], set[int], bool]] = []
+        self._pinned: list[_Pin] = []
 
     def pin(self, pid: int, cores: set[int], restore_to: set[int] | None, worker: bool) -> None:
         """Pin ``pid``'s main thread to ``cores`` (within the ones it may use now)."""
@@ -112,15 +119,15 @@ class Spread:
             os.sched_setaffinity(pid, target)
         except OSError:  # gone, or not permitted
             return
-        self._pinned.append((pid, target, before if restore_to is None else restore_to, worker))
+        self._pinned.append(_Pin(pid, target, before if restore_to is None else restore_to, worker))
 
     def restore(self, worker_gone: bool = False) -> None:
         """Undo the pins, once (later calls do nothing); ``worker_gone``: the worker exited
         (its pid may be another process's by now: left alone)."""
         pinned, self._pinned = self._pinned, []
-        for pid, mask, cores, of_worker in pinned:
-            if not (of_worker and worker_gone):
-                _widen(pid, mask, cores)
+        for pin in pinned:
+            if not (pin.of_worker and worker_gone):
+                _widen(pin.pid, pin.pinned, pin.restore_to)
 
 
 def spread(worker_pid: int, pool_pid: int | None) -> Spread:
