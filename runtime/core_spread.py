@@ -34,6 +34,8 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
+from runtime.process import thread_ids
+
 
 @functools.cache
 def _getcpu() -> Callable[[], int] | None:
@@ -76,14 +78,10 @@ def own_cores() -> frozenset[int] | None:
 def _widen(pid: int, pinned: set[int], cores: set[int] | frozenset[int]) -> None:
     """Move every thread of ``pid`` whose mask is ``pinned`` to ``cores`` (a thread gone, or
     one this process may not move, is left as it is)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone (or no /proc): only the main thread is known
-        tids = [str(pid)]
-    for tid in tids:
-        with contextlib.suppress(OSError, ValueError):
-            if os.sched_getaffinity(int(tid)) == pinned:
-                os.sched_setaffinity(int(tid), cores)
+    for tid in thread_ids(pid) or [pid]:  # (none listed: gone, or no /proc: the main thread)
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(tid) == pinned:
+                os.sched_setaffinity(tid, cores)
 
 
 def unpin(cores: frozenset[int] | None) -> None:

@@ -27,6 +27,17 @@ def collection_paused(pause: bool = True) -> Iterator[None]:
         gc.enable()
 
 
+def thread_ids(pid: int | None = None) -> list[int]:
+    """The ids of process ``pid``'s threads (None: this process's), from ``/proc``; none when
+    it is gone (or there is no ``/proc``)."""
+    import os
+
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
+    except OSError:
+        return []
+
+
 def set_idle_priority(idle: bool) -> None:
     """Put every thread of this process in ``SCHED_IDLE`` (pre-warming) or back in ``SCHED_OTHER``.
 
@@ -39,10 +50,10 @@ def set_idle_priority(idle: bool) -> None:
     import os
 
     policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    for tid in os.listdir("/proc/self/task"):
+    for tid in thread_ids():
         # ProcessLookupError: the thread just ended; PermissionError: a locked-down kernel.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
 def die_with_parent() -> Callable[[], None]:
@@ -74,10 +85,9 @@ def boost(pid: int) -> None:
     """
     import os
 
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+    for tid in thread_ids(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def exit_with_parent(parent_pid: int) -> None:
