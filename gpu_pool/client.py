@@ -359,7 +359,20 @@ class PoolClient:
         if arena.device.type != "cpu":
             return None
         spans = [(placements[e.name], e.nbytes) for e in manifest.tensors if e.name in placements]
-        return mapping.populate_read(arena.data_ptr(), mapping.page_ranges(spans))
+        return mapping.populate_pages(arena.data_ptr(), mapping.page_ranges(spans))
+
+    def populate_kv(self, blocks: KVBlocks) -> str | None:
+        """Map ``blocks``' pages of this session's KV memory into this process's page tables,
+        writable, now: pages no one wrote yet are allocated (zeroed), prefix KV the pool copied
+        in is mapped as it is. A standby does it for the blocks it holds while it waits, so its
+        first prefill does not fault them in one by one (~80 faults of ~3 us each, more where
+        the host has not backed the guest's pages yet). CPU pools only. Returns None, or why the
+        kernel refused (the pages then fault in on first use)."""
+        kv = self.kv_arena()
+        if kv.device.type != "cpu":
+            return None
+        spans = [(offset, blocks.block_bytes) for offset in blocks.offsets]
+        return mapping.populate_pages(kv.data_ptr(), mapping.page_ranges(spans), write=True)
 
     def views(self, manifest: Manifest, placements: dict[str, int]) -> dict[str, torch.Tensor]:
         """Views into the arena of ``manifest``'s tensors at ``placements`` (from an acquire)."""

@@ -296,6 +296,9 @@ def _hold_first_kv(binding: ModelBinding, client: Any) -> None:
             return
         raise
     engine.adopt_kv(source.adopt(kv), kv.prefix_hashes)
+    refused = client.populate_kv(kv)
+    if refused is not None:
+        log.info("KV pages not populated ahead (%s): the first prefill faults them in", refused)
 
 
 async def _acquire(
@@ -332,7 +335,8 @@ async def activate(
     if not standby.message.activated_by(message):
         raise StandbyMismatch(f"this worker is a standby of {standby.name!r} for another assignment")
     t0 = time.perf_counter()
-    set_idle_priority(False)
+    if os.sched_getscheduler(0) == os.SCHED_IDLE:  # else the agent moved every thread back already
+        set_idle_priority(False)
     _threads(message.num_threads)
     binding, client = standby.binding, standby.client
     try:

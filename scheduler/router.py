@@ -61,7 +61,7 @@ from scheduler.launcher import MAX_EARLY, BaseLauncher, StartedInstance
 from scheduler.leases import Leases
 from scheduler.policies import desired_instances, should_reject
 from scheduler.records import FunctionRecord, Instance
-from scheduler.state import ClusterState, on_loop
+from scheduler.state import ClusterState, LiveCount, Slot, on_loop
 
 __all__ = ["OnRecords", "Rejected", "Route", "Router", "RouterConfig", "StartFailed"]
 
@@ -183,11 +183,13 @@ class Router:
             return leased
         concurrency = record.scaling.concurrency
         try:  # fast path: one Lua call on the event loop (~0.1 ms; a thread hop costs more)
-            hit = self.state.acquire_slot(name, concurrency, retry=False, pack=self.config.pack)
+            hit = self.state.acquire_or_count(name, concurrency, retry=False, pack=self.config.pack)
         except StateUnavailable:  # Redis restarting: retry in a thread, off the event loop
-            hit = await asyncio.to_thread(self.state.acquire_slot, name, concurrency, True, self.config.pack)
-        if hit is not None:
+            pack = self.config.pack
+            hit = await asyncio.to_thread(self.state.acquire_or_count, name, concurrency, True, pack)
+        if isinstance(hit, Slot):
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
+        counted: LiveCount | None = hit  # what the miss saw: this turn's scale-up decides on it
         t0 = time.monotonic()
         asked = time.time() if since is None else since
         self._waiting[name] = self._waiting.get(name, 0) + 1
@@ -209,10 +211,11 @@ class Router:
                     return leased._replace(cold=True, waited_s=time.monotonic() - t0)
                 if not missed:
                     hit = await on_loop(
-                        lambda retry: self.state.acquire_slot(name, concurrency, retry, self.config.pack)
+                        lambda retry: self.state.acquire_or_count(name, concurrency, retry, self.config.pack)
                     )
-                    if hit is not None:
+                    if isinstance(hit, Slot):
                         return Route(hit.instance_id, hit.url, True, time.monotonic() - t0, hit.token)
+                    counted = hit
                 missed = False
                 early = await self._claim_early(name, concurrency)  # a ready slot goes first
                 if early is not None:
@@ -220,7 +223,8 @@ class Router:
                 failed = self.starter.failure(name)
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
-                claim = self._adopt(name) or await self._scale_up(name, record, deadline)
+                claim = self._adopt(name) or await self._scale_up(name, record, deadline, counted)
+                counted = None  # (a later turn counts again)
                 await self._wait_changed(name, deadline)
         finally:
             self._waiting[name] -= 1
@@ -336,26 +340,34 @@ class Router:
             await self.release(lost, keep_alive_s)
         return False
 
-    async def _scale_up(self, name: str, record: FunctionRecord, deadline: float) -> Claim | None:
+    async def _scale_up(
+        self, name: str, record: FunctionRecord, deadline: float, counted: LiveCount | None = None
+    ) -> Claim | None:
         """Start an instance of ``name`` if its load wants one more. A start from zero (no
         instance live: none could free a slot sooner) counts the calling request's slot with
-        the new record and returns where that request will go (see :meth:`ColdStarter.start`)."""
+        the new record and returns where that request will go (see :meth:`ColdStarter.start`).
+        ``counted``: its live instances as the routing miss just counted them (else read)."""
         scaling = record.scaling
-        instances = await on_loop(lambda retry: self.state.instances(name, retry))
-        live = [i for i in instances if i.state in ("starting", "ready")]
-        in_flight = sum(i.in_flight for i in live)
+        if counted is None:
+            instances = await on_loop(lambda retry: self.state.instances(name, retry))
+            live = [i for i in instances if i.state in ("starting", "ready")]
+            counted = LiveCount(
+                sum(i.state == "ready" for i in live),
+                sum(i.state == "starting" for i in live),
+                sum(i.in_flight for i in live),
+            )
+        num_live = counted.num_ready + counted.num_starting
         want = desired_instances(  # (a claimed slot is in flight already: its request not waiting)
-            in_flight + self._waiting.get(name, 0) - self._claims.get(name, 0),
+            counted.in_flight + self._waiting.get(name, 0) - self._claims.get(name, 0),
             scaling.concurrency,
             scaling.min_scale,
             scaling.max_scale,
         )
         left = deadline - time.time()
-        if len(live) >= want:
+        if num_live >= want:
             # Queue behind busy instances, unless the wait cannot end before the deadline.
-            ready = [i for i in live if i.state == "ready"]
-            if ready and not any(i.state == "starting" for i in live):
-                slots = len(ready) * scaling.concurrency
+            if counted.num_ready and not counted.num_starting:
+                slots = counted.num_ready * scaling.concurrency
                 turns = math.ceil(self._waiting.get(name, 1) / slots)
                 wait = turns * self._service_s.get(name, 0.0)
                 if should_reject(wait, left):
@@ -365,8 +377,8 @@ class Router:
             return None  # its pool refused it for room again and again: wait (see ColdStarter)
         if self.config.instances_per_device:
             async with self._placing:  # placement and the new record together, or two fill one slot
-                return await self._place_and_start(name, record, deadline, want, left, not live)
-        return await self._place_and_start(name, record, deadline, want, left, not live)
+                return await self._place_and_start(name, record, deadline, want, left, not num_live)
+        return await self._place_and_start(name, record, deadline, want, left, not num_live)
 
     async def _place_and_start(
         self, name: str, record: FunctionRecord, deadline: float, want: int, left: float, claim: bool

@@ -116,19 +116,25 @@ return 1
 """
 
 # Route a request: the ready instance with the fewest in flight below ARGV[2]. KEYS: fn set.
-# ARGV: prefix, concurrency. Returns {id, url, token} or false ('' for no token).
+# ARGV: prefix, concurrency, 'pack' or 'spread'. Returns {id, url, token} ('' for no token),
+# or on a miss {'', ready, starting, in flight}: the live instances the caller would read next
+# to decide a scale-up (a round trip less on a cold start's path).
 ACQUIRE = """
 local best, best_n, best_url, best_token = nil, nil, nil, nil
+local ready, starting, in_flight = 0, 0, 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[1] .. 'instance:' .. id
   local f = redis.call('HMGET', key, 'state', 'in_flight', 'url', 'token')
-  local n = tonumber(f[2])
-  local better = best_n == nil or (ARGV[3] == 'pack' and n > best_n) or (ARGV[3] ~= 'pack' and n < best_n)
-  if f[1] == 'ready' and n < tonumber(ARGV[2]) and better then
+  local n = tonumber(f[2])  -- nil: an expired record (a pod's) whose id is not pruned yet
+  if f[1] == 'ready' and n and n < tonumber(ARGV[2]) and (best_n == nil
+      or (ARGV[3] == 'pack' and n > best_n) or (ARGV[3] ~= 'pack' and n < best_n)) then
     best, best_n, best_url, best_token = id, n, f[3], f[4] or ''
   end
+  if f[1] == 'ready' then ready = ready + 1 end
+  if f[1] == 'starting' then starting = starting + 1 end
+  if (f[1] == 'ready' or f[1] == 'starting') and n then in_flight = in_flight + n end
 end
-if best == nil then return false end
+if best == nil then return {'', ready, starting, in_flight} end
 redis.call('HINCRBY', ARGV[1] .. 'instance:' .. best, 'in_flight', 1)
 return {best, best_url, best_token}
 """

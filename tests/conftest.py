@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import socket
 import time
 from collections.abc import Iterator
@@ -109,3 +110,12 @@ class CountingSocket:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.sock, name)
+
+
+def mapped_pages(address: int, num_pages: int) -> list[bool]:
+    """Whether each page from ``address`` is in this process's page tables (/proc/self/pagemap's
+    present bit, readable without privilege)."""
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // mmap.PAGESIZE * 8)
+        entries = pagemap.read(num_pages * 8)
+    return [bool(int.from_bytes(entries[i : i + 8], "little") >> 63) for i in range(0, len(entries), 8)]

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.arena.madvise import MADV_POPULATE_READ, madvise
+from gpu_pool.arena.madvise import MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise
 from gpu_pool.errors import ProtocolError
 from gpu_pool.manifest import DTYPE_ITEMSIZE, TensorEntry
 
@@ -66,13 +66,16 @@ def page_ranges(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def populate_read(base_address: int, ranges: Iterable[tuple[int, int]]) -> str | None:
+def populate_pages(base_address: int, ranges: Iterable[tuple[int, int]], write: bool = False) -> str | None:
     """Fill this process's page tables for ``ranges`` (offset, length; page-aligned) of the
     mapping at ``base_address``, read-only, copying nothing: the first pass over them then
-    takes no page faults. Returns None, or why the kernel refused (EINVAL before Linux 5.14:
-    the pages then fault in on first use, as without this)."""
+    takes no page faults. ``write``: writable instead (the mapping must be), allocating
+    (zeroed) the pages no one has written yet, so the first writes take no faults either.
+    Returns None, or why the kernel refused (EINVAL before Linux 5.14: the pages then fault
+    in on first use, as without this)."""
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
     for offset, length in ranges:
-        refused = madvise(base_address + offset, length, MADV_POPULATE_READ)
+        refused = madvise(base_address + offset, length, advice)
         if refused is not None:
             return refused
     return None

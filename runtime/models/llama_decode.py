@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -101,17 +102,19 @@ class KernelStep:
             dtype=torch.int64,
         )
         self.capacity = 0
-        self._grow(16)
+        # Zeroed: their pages fault in here, where an engine is built (a standby's while it
+        # waits), not in an activated standby's first forward pass (~66 pages of SmolLM2's).
+        self._grow(16, torch.zeros)
 
-    def _grow(self, tokens: int) -> None:
+    def _grow(self, tokens: int, alloc: Callable[..., torch.Tensor] = torch.empty) -> None:
         cfg = self.model.config
         n = max(tokens, 2 * self.capacity)
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.x = torch.empty(n, cfg.hidden_size)
-        self.h = torch.empty(n, cfg.hidden_size)
-        self.qkv = torch.empty(n, qkv)
-        self.attn = torch.empty(n, cfg.num_heads * cfg.head_dim)
-        self.mlp = torch.empty(n, cfg.intermediate_size)
+        self.x = alloc(n, cfg.hidden_size)
+        self.h = alloc(n, cfg.hidden_size)
+        self.qkv = alloc(n, qkv)
+        self.attn = alloc(n, cfg.num_heads * cfg.head_dim)
+        self.mlp = alloc(n, cfg.intermediate_size)
         self.arange = torch.arange(n)
         self.capacity = n
 

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.errors import Rejected, StartFailed
 from scheduler.launcher import MAX_EARLY, OnTarget
-from scheduler.records import FunctionRecord
+from scheduler.records import FunctionRecord, Instance
 from scheduler.router import Route, Router, RouterConfig
 from scheduler.state import ClusterState
 from tests.scheduler.test_reclaim import DEVICE, BookkeepingLauncher, Started, deploy
@@ -211,6 +211,35 @@ def script_calls(state: ClusterState) -> int:
     """How many Lua scripts the server ran so far (every slot lookup and claim is one)."""
     stats = state.r.info("commandstats")
     return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def test_a_start_from_zero_reads_no_instance_record_on_its_path(state: ClusterState) -> None:
+    """The slot lookup that misses counts the function's live instances in its script
+    (ClusterState.acquire_or_count): the scale-up it leads to decides on that count instead of
+    reading every instance record first (two round trips more on a cold start's path)."""
+    deploy(state, "f", 1 << 20)
+    record: FunctionRecord = state.function("f")
+
+    async def scenario() -> None:
+        launcher = ActivatingLauncher(state)
+        router = Router(state, launcher, RouterConfig(lease_s=5.0, poll_s=30.0))
+        reads: list[str] = []
+        read_instances = state.instances
+
+        def instances(function: str, retry: bool = True) -> list[Instance]:
+            reads.append(function)  # (the real read, counted)
+            return read_instances(function, retry)
+
+        state.instances = instances  # type: ignore[method-assign]
+        try:
+            first = await asyncio.wait_for(router.route("f", record, time.time() + 30), 10)
+            assert first.early and first.cold and launcher.launches_started == 1
+            assert reads == []
+            launcher.finish.set()
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
 
 
 def test_the_request_that_starts_an_instance_from_zero_holds_its_first_slot(state: ClusterState) -> None:

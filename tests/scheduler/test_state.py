@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.errors import FunctionNotFound, StateConflict
 from scheduler.redis_server import EmbeddedRedis
-from scheduler.state import ClusterState
+from scheduler.state import ClusterState, LiveCount, Slot
 
 
 @pytest.fixture
@@ -67,6 +67,44 @@ def test_slots_spread_by_default_and_pack_when_asked(state: ClusterState) -> Non
     assert state.acquire_slot("f", 3).instance_id == idle  # type: ignore[union-attr]  # spread
     assert state.acquire_slot("f", 3, pack=True).instance_id == busy  # type: ignore[union-attr]
     assert state.acquire_slot("f", 3, pack=True).instance_id == idle  # type: ignore[union-attr]  # busy is full
+
+
+def test_a_routing_miss_counts_the_live_instances_a_scale_up_decides_on(state: ClusterState) -> None:
+    """On a miss the routing script answers what the router's scale-up would read next (the
+    records, two round trips more on a cold start's path): ready and starting instances and
+    their requests in flight; draining ones and pruned records do not count."""
+    assert state.acquire_or_count("f", 1) == LiveCount(0, 0, 0)  # scale from zero
+    ids = [state.scale_up("f", 5, "n/cpu", now=0.0) for _ in range(4)]
+    assert all(ids)
+    first, second, draining, starting = (str(i) for i in ids)
+    for i in (first, second, draining):
+        state.transition(i, "starting", "ready", url=f"http://{i}", deadline=10.0)
+    assert state.claim_starting(starting, 2) is True  # a request held for its activation
+    assert isinstance(state.acquire_or_count("f", 1), Slot)  # each ready one takes one: full
+    assert isinstance(state.acquire_or_count("f", 1), Slot)
+    assert isinstance(state.acquire_or_count("f", 1), Slot)
+    state.release(draining, 10.0)
+    state.transition(draining, "ready", "draining")
+    miss = state.acquire_or_count("f", 1)
+    assert miss == LiveCount(num_ready=2, num_starting=1, in_flight=3)
+    live = [i for i in state.instances("f") if i.state in ("starting", "ready")]
+    assert miss.in_flight == sum(i.in_flight for i in live)
+    assert miss.num_ready + miss.num_starting == len(live)
+    assert state.acquire_slot("f", 1) is None  # the same miss, as before
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_routing_skips_a_record_that_expired_before_its_id_is_pruned(state: ClusterState, pack: bool) -> None:
+    """A pod's record expires (a TTL) and its id stays in the function's set until someone
+    prunes it: routing passes over it, wherever it comes in the set's order."""
+    ids = [str(state.scale_up("f", 9, "n/cpu", now=0.0)) for _ in range(6)]
+    for i in ids[::2]:
+        state.transition(i, "starting", "ready", url=f"http://{i}", deadline=10.0)
+    for i in ids[1::2]:
+        state.r.delete(f"{state.p}instance:{i}")  # expired
+    routed = [state.acquire_or_count("f", 1, pack=pack) for _ in range(4)]
+    assert sorted(r.instance_id for r in routed[:3] if isinstance(r, Slot)) == sorted(ids[::2])
+    assert routed[3] == LiveCount(num_ready=3, num_starting=0, in_flight=3)
 
 
 def test_routing_keepalive_and_scale_to_zero(state: ClusterState) -> None:
