@@ -335,8 +335,7 @@ async def activate(
     if not standby.message.activated_by(message):
         raise StandbyMismatch(f"this worker is a standby of {standby.name!r} for another assignment")
     t0 = time.perf_counter()
-    if os.sched_getscheduler(0) == os.SCHED_IDLE:  # else the agent moved every thread back already
-        set_idle_priority(False)
+    set_idle_priority(False)
     _threads(message.num_threads)
     binding, client = standby.binding, standby.client
     try:
