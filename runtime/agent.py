@@ -315,7 +315,7 @@ class NodeAgent:
             start.take_turns,
             dict(start.model.get("adapters") or {}),
         )
-        boost(worker.proc.pid)  # out of SCHED_IDLE (see _from_prewarmed)
+        # (Out of SCHED_IDLE since it was ready: runtime.standby_pool.)
         pool = self.pools.get(start.device)
         pins = spread(worker.proc.pid, pool.proc.pid if pool is not None else None)
         undo = asyncio.get_running_loop().call_later(SPREAD_S, pins.restore)

@@ -91,8 +91,9 @@ class CpuShare:
         take_turns: bool = False,
     ) -> int | None:
         """Threads per instance for the instances ``instance_pids`` after a sample at ``now``
-        (monotonic seconds); None when there are none. ``idle_pids``: processes at SCHED_IDLE
-        (pre-warming workers), which use only what the instances leave: not counted as others.
+        (monotonic seconds); None when there are none. ``idle_pids``: Ember's processes that are not
+        instances (pre-warming workers, at SCHED_IDLE, using only what the instances leave; ready
+        standbys, which wait): not counted as others.
         ``measure=False``: the last decision for this many instances, without a sample (an
         instance just started or ended; the periodic samples stay evenly spaced).
         ``take_turns``: the instances run one iteration at a time (token-level scheduling,

@@ -11,8 +11,11 @@ one acquire round trip). The pre-warmed workers are never taken for a standby: o
 make the next cold start of another function wait for a process start, so a standby would
 delay starts instead of saving them.
 
-A standby pins nothing in the pool and holds no slot: it is not an instance, nobody routes to
-it, and it runs at idle priority. At most ``standby`` standbys per node (the oldest ends
+A standby pins nothing in the pool and holds no slot: it is not an instance, and nobody routes
+to it. It is prepared at idle priority, like a pre-warmed worker; once ready it only waits, and
+the agent moves it back to ``SCHED_OTHER`` then (:func:`~runtime.process.boost`): its
+activation does not pay that move (~0.1 ms of the gateway's loop on this host, on the cold
+path, before the assign goes out). At most ``standby`` standbys per node (the oldest ends
 first) and one per function; each ends after ``standby_ttl_s``, when its function's next
 launch brings another spec or model (a redeploy), when its pool dies, or when it fails.
 
@@ -34,6 +37,7 @@ from typing import Any
 from runtime.agent_config import AgentConfig
 from runtime.errors import LaunchError
 from runtime.messages import AssignMessage, MessageError, StandbyMessage, StandbyReply
+from runtime.process import boost
 from runtime.warm_pool import WarmPool
 from runtime.worker_client import WorkerClient
 from runtime.worker_handle import WorkerHandle
@@ -87,7 +91,7 @@ class Standbys:
         self.on_ready: OnStandby | None = None  # told each ready standby (see the module docstring)
 
     def pids(self) -> list[int]:
-        """Processes of the standbys (idle: they are not instances)."""
+        """Processes of the ready standbys (waiting, not instances)."""
         return [s.worker.pid for s in self._ready.values()]
 
     def report(self) -> dict[str, Any]:
@@ -129,6 +133,7 @@ class Standbys:
         older = self._ready.pop(name, None)  # one for another spec
         # Recorded before anything is awaited: an agent closing from here on ends it.
         self._ready[name] = ready = StandbyWorker(worker, message, device, time.monotonic())
+        boost(worker.pid)  # idle from now on: out of SCHED_IDLE before its activation (docstring)
         log.info("standby for %s in worker %d: %s ms", name, worker.pid, reply.timings_ms)
         self._announce(ready, ready.since)
         if older is not None:

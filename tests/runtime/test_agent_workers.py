@@ -133,17 +133,19 @@ def test_failing_worker_starts_back_off_and_show_in_the_report(tmp_path: Path) -
     asyncio.run(scenario())
 
 
+def policies(pid: int) -> set[int]:
+    """The scheduling policies of process ``pid``'s threads."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            out.add(os.sched_getscheduler(int(tid)))
+    return out
+
+
 def test_a_worker_starving_at_sched_idle_competes_after_the_idle_limit(tmp_path: Path) -> None:
     """Under a steady load a SCHED_IDLE start never finished (the pool was never replenished):
     after ``prewarm_idle_limit_s`` the starting worker is moved to SCHED_OTHER."""
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(3))
-
-    def policies(pid: int) -> set[int]:
-        out = set()
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                out.add(os.sched_getscheduler(int(tid)))
-        return out
 
     async def observe(limit_s: float) -> tuple[bool, bool]:
         """(seen at SCHED_IDLE, then seen with every thread at SCHED_OTHER) while it starts.

@@ -32,7 +32,7 @@ from runtime.standby_pool import ANNOUNCE_S
 from runtime.worker_guard import TOKEN_HEADER
 from runtime.worker_state import WorkerState
 from tests.conftest import CountingSocket, PoolProcess, mapped_pages
-from tests.runtime.test_agent_workers import agent_config, spec, wait_warm
+from tests.runtime.test_agent_workers import agent_config, policies, spec, wait_warm
 from tests.runtime.tiny_gguf import hf_weights, register_tiny, write_tiny_gguf
 
 PROMPT = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
@@ -152,6 +152,8 @@ def test_an_idled_out_instance_leaves_a_standby_that_the_next_start_activates(tm
             assert (await agent.report())[device]["bytes_reused"] == reused
             await wait_warm(agent, 1)
             (standby_pid,) = agent._standbys.pids()
+            # Prepared at idle priority, and out of it once ready: its activation skips the move.
+            assert policies(standby_pid) == {os.SCHED_OTHER}
             pool_pid = agent.pools["cpu"].proc.pid
             cores = os.sched_getaffinity(0)
             spread: list[set[int]] = []  # (the standby's, the pool's masks as the assign goes out)
