@@ -83,7 +83,8 @@ def boost(pid: int) -> None:
     """Move every thread of process ``pid`` (a pre-warming worker) to ``SCHED_OTHER``.
 
     Used when a request waits for a pre-warmed worker that is still starting (at
-    ``SCHED_IDLE`` on a busy machine it could starve), and when a worker is assigned. Leaving
+    ``SCHED_IDLE`` on a busy machine it could starve), when a worker is assigned, and when a
+    standby is ready (:mod:`runtime.standby_pool`: its activation then skips it). Leaving
     ``SCHED_IDLE`` needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE`` >= 20): the agent of a root
     ``ember serve`` has it, its workers have not; refused, the worker stays idle-class.
     """

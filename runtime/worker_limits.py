@@ -22,7 +22,8 @@ A worker runs handler code with the uid of ``ember serve`` (often root). Before 
 
 ``RLIMIT_NPROC`` is not set: it counts every process of the uid (for root: the whole
 machine's), not the worker's. Without ``CAP_SYS_NICE`` a worker cannot leave ``SCHED_IDLE``
-(where it pre-warms) by itself: the agent moves it back to ``SCHED_OTHER`` when it assigns it.
+(where it pre-warms) by itself: the agent moves it back to ``SCHED_OTHER`` when it assigns it
+(a standby: when it is ready).
 """
 
 from __future__ import annotations

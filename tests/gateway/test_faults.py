@@ -73,8 +73,9 @@ def test_worker_killed_mid_stream(server: ServeProcess, http: httpx.Client) -> N
 
 
 def _serving_workers(root: int) -> list[int]:
-    """The pids of ``root``'s worker processes that are out of SCHED_IDLE: assigned ones (a
-    pre-warmed worker or a standby waits at idle priority)."""
+    """The pids of ``root``'s worker processes that are out of SCHED_IDLE: assigned ones and
+    ready standbys (a pre-warmed worker waits at idle priority; this module's tests delete
+    their functions, which ends their standbys)."""
     found, todo = [], [root]
     parents = {}
     for entry in os.listdir("/proc"):
