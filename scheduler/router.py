@@ -189,7 +189,7 @@ class Router:
             hit = await asyncio.to_thread(self.state.acquire_or_count, name, concurrency, True, pack)
         if isinstance(hit, Slot):
             return Route(hit.instance_id, hit.url, False, 0.0, hit.token)
-        counted: LiveCount | None = hit  # what the miss saw: this turn's scale-up decides on it
+        counted = hit  # what the miss saw: this turn's scale-up decides on it (each turn counts)
         t0 = time.monotonic()
         asked = time.time() if since is None else since
         self._waiting[name] = self._waiting.get(name, 0) + 1
@@ -224,7 +224,6 @@ class Router:
                 if failed is not None and failed[0] >= asked:
                     raise StartFailed(f"function {name!r} failed to start: {failed[1]}")
                 claim = self._adopt(name) or await self._scale_up(name, record, deadline, counted)
-                counted = None  # (a later turn counts again)
                 await self._wait_changed(name, deadline)
         finally:
             self._waiting[name] -= 1
@@ -341,21 +340,13 @@ class Router:
         return False
 
     async def _scale_up(
-        self, name: str, record: FunctionRecord, deadline: float, counted: LiveCount | None = None
+        self, name: str, record: FunctionRecord, deadline: float, counted: LiveCount
     ) -> Claim | None:
         """Start an instance of ``name`` if its load wants one more. A start from zero (no
         instance live: none could free a slot sooner) counts the calling request's slot with
         the new record and returns where that request will go (see :meth:`ColdStarter.start`).
-        ``counted``: its live instances as the routing miss just counted them (else read)."""
+        ``counted``: its live instances as this turn's routing miss counted them."""
         scaling = record.scaling
-        if counted is None:
-            instances = await on_loop(lambda retry: self.state.instances(name, retry))
-            live = [i for i in instances if i.state in ("starting", "ready")]
-            counted = LiveCount(
-                sum(i.state == "ready" for i in live),
-                sum(i.state == "starting" for i in live),
-                sum(i.in_flight for i in live),
-            )
         num_live = counted.num_ready + counted.num_starting
         want = desired_instances(  # (a claimed slot is in flight already: its request not waiting)
             counted.in_flight + self._waiting.get(name, 0) - self._claims.get(name, 0),
